@@ -1,0 +1,14 @@
+// Runs a wasm32-wasip1 test binary under Node's WASI (cargo's target runner).
+import { readFile } from "node:fs/promises";
+import { WASI } from "node:wasi";
+
+const [, , wasmPath, ...args] = process.argv;
+const wasi = new WASI({
+  version: "preview1",
+  args: [wasmPath, ...args],
+  env: process.env,
+  returnOnExit: true,
+});
+const module = await WebAssembly.compile(await readFile(wasmPath));
+const instance = await WebAssembly.instantiate(module, wasi.getImportObject());
+process.exitCode = wasi.start(instance);

@@ -1,0 +1,527 @@
+//! Serde types of the router configuration (spec §2). Defaults are the spec's; every struct rejects
+//! unknown fields so a typo fails at startup instead of being ignored.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    pub workers: Vec<WorkerConfig>,
+    #[serde(default)]
+    pub upstream: UpstreamConfig,
+    #[serde(default)]
+    pub load: LoadConfig,
+    #[serde(default)]
+    pub health: HealthConfig,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub circuit_breaker: Option<CircuitBreakerConfig>,
+    #[serde(default)]
+    pub pd: PdConfig,
+    #[serde(default)]
+    pub timeouts: TimeoutsConfig,
+    #[serde(default)]
+    pub tokens: TokensConfig,
+    #[serde(default = "defaults::affinity_sweep_ms")]
+    pub affinity_sweep_ms: u64,
+    #[serde(default)]
+    pub debug: DebugConfig,
+    pub models: BTreeMap<String, ModelConfig>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Plain,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Plain => "plain",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    pub id: String,
+    pub url: String,
+    pub model: String,
+    #[serde(default = "defaults::role")]
+    pub role: Role,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
+    #[serde(default = "defaults::dp_size")]
+    pub dp_size: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamMode {
+    #[default]
+    ClusterHeader,
+    OriginalDst,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    #[serde(default)]
+    pub mode: UpstreamMode,
+    /// Defaults by mode: `x-sgl-cluster` or `x-gateway-destination-endpoint`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+}
+
+impl UpstreamConfig {
+    pub fn header_name(&self) -> &str {
+        match (&self.header, self.mode) {
+            (Some(h), _) => h,
+            (None, UpstreamMode::ClusterHeader) => "x-sgl-cluster",
+            (None, UpstreamMode::OriginalDst) => "x-gateway-destination-endpoint",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadSource {
+    #[default]
+    SglangLoads,
+    SglangGetLoad,
+    Prometheus,
+    None,
+}
+
+impl LoadSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadSource::SglangLoads => "sglang_loads",
+            LoadSource::SglangGetLoad => "sglang_get_load",
+            LoadSource::Prometheus => "prometheus",
+            LoadSource::None => "none",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadConfig {
+    #[serde(default)]
+    pub source: LoadSource,
+    #[serde(default = "defaults::load_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "defaults::load_timeout_ms")]
+    pub timeout_ms: u64,
+    #[serde(default = "defaults::stale_after_ms")]
+    pub stale_after_ms: u64,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            source: LoadSource::default(),
+            interval_ms: defaults::load_interval_ms(),
+            timeout_ms: defaults::load_timeout_ms(),
+            stale_after_ms: defaults::stale_after_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    #[serde(default = "defaults::health_path")]
+    pub path: String,
+    #[serde(default = "defaults::health_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "defaults::health_timeout_ms")]
+    pub timeout_ms: u64,
+    #[serde(default = "defaults::failure_threshold")]
+    pub failure_threshold: u32,
+    #[serde(default = "defaults::success_threshold")]
+    pub success_threshold: u32,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: defaults::health_path(),
+            interval_ms: defaults::health_interval_ms(),
+            timeout_ms: defaults::health_timeout_ms(),
+            failure_threshold: defaults::failure_threshold(),
+            success_threshold: defaults::success_threshold(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CircuitBreakerConfig {
+    #[serde(default = "defaults::breaker_failure_threshold")]
+    pub failure_threshold: u32,
+    #[serde(default = "defaults::breaker_cooldown_ms")]
+    pub cooldown_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PdConfig {
+    #[serde(default = "defaults::prefill_timeout_ms")]
+    pub prefill_timeout_ms: u64,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        Self {
+            prefill_timeout_ms: defaults::prefill_timeout_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutsConfig {
+    #[serde(default)]
+    pub request_ms: u64,
+    #[serde(default = "defaults::stream_idle_ms")]
+    pub stream_idle_ms: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        Self {
+            request_ms: 0,
+            stream_idle_ms: defaults::stream_idle_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenEstimator {
+    #[default]
+    Bytes,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokensConfig {
+    #[serde(default)]
+    pub estimator: TokenEstimator,
+    #[serde(default = "defaults::bytes_per_token")]
+    pub bytes_per_token: u64,
+}
+
+impl Default for TokensConfig {
+    fn default() -> Self {
+        Self {
+            estimator: TokenEstimator::Bytes,
+            bytes_per_token: defaults::bytes_per_token(),
+        }
+    }
+}
+
+/// Diagnostics an operator turns on deliberately; all off by default.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DebugConfig {
+    /// Adds `x-sgl-vm` (which worker VM decided) to responses.
+    #[serde(default)]
+    pub vm_header: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    #[serde(default = "defaults::session_id_header")]
+    pub session_id_header: String,
+    #[serde(default = "defaults::routing_key_header")]
+    pub routing_key_header: String,
+    #[serde(default = "defaults::idle_ms")]
+    pub session_idle_ms: u64,
+    #[serde(default = "defaults::idle_ms")]
+    pub sticky_idle_ms: u64,
+    pub buckets: Vec<BucketConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketConfig {
+    pub id: String,
+    #[serde(default)]
+    pub rank: i64,
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_context_tokens: Option<u64>,
+    pub groups: GroupsConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    #[serde(default)]
+    pub min: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<u64>,
+}
+
+/// Exactly one plain group, or a prefill and a decode group: a partial or mixed bucket cannot be
+/// written down.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum GroupsConfig {
+    Plain(GroupConfig),
+    Pd(PdGroupsConfig),
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PdGroupsConfig {
+    pub prefill: GroupConfig,
+    pub decode: GroupConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupConfig {
+    /// `None` = every healthy engine of the model and role; `[]` = none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_ids: Option<Vec<String>>,
+    pub policy: PolicyConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum PolicyConfig {
+    RoundRobin(BasicPolicyConfig),
+    Random(BasicPolicyConfig),
+    PowerOfTwo(BasicPolicyConfig),
+    LoadBased(BasicPolicyConfig),
+    SessionAware(BasicPolicyConfig),
+    Sticky(StickyPolicyConfig),
+    CacheAware(CacheAwareConfig),
+}
+
+impl PolicyConfig {
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyConfig::RoundRobin(_) => "round_robin",
+            PolicyConfig::Random(_) => "random",
+            PolicyConfig::PowerOfTwo(_) => "power_of_two",
+            PolicyConfig::LoadBased(_) => "load_based",
+            PolicyConfig::SessionAware(_) => "session_aware",
+            PolicyConfig::Sticky(_) => "sticky",
+            PolicyConfig::CacheAware(_) => "cache_aware",
+        }
+    }
+
+    pub fn admission(&self) -> &AdmissionLimits {
+        match self {
+            PolicyConfig::RoundRobin(c)
+            | PolicyConfig::Random(c)
+            | PolicyConfig::PowerOfTwo(c)
+            | PolicyConfig::LoadBased(c)
+            | PolicyConfig::SessionAware(c) => &c.admission,
+            PolicyConfig::Sticky(c) => &c.admission,
+            PolicyConfig::CacheAware(c) => &c.admission,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BasicPolicyConfig {
+    #[serde(default)]
+    pub admission: AdmissionLimits,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StickyPolicyConfig {
+    #[serde(default)]
+    pub admission: AdmissionLimits,
+    #[serde(default)]
+    pub fallback: StickyFallback,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StickyFallback {
+    #[default]
+    RoundRobin,
+    Random,
+    PowerOfTwo,
+    LoadBased,
+}
+
+/// Absolute per-engine caps (design §4). Unset = not checked; the default admits everything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionLimits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_running_requests: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_waiting_requests: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_kv_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending_prefill_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_inflight_requests: Option<u64>,
+}
+
+/// Cache-aware knobs kept by design §7, with its defaults.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheAwareConfig {
+    #[serde(default)]
+    pub admission: AdmissionLimits,
+    /// Minimum matched prefix, in tokens, for a hit to count.
+    #[serde(default = "defaults::min_hit_tokens")]
+    pub min_hit_tokens: u64,
+    /// Optional gate on matched / input tokens, in (0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_hit_ratio: Option<f64>,
+    /// Candidate bounds over prefix holders: at least `min`, `ratio` of the group, at most `max`.
+    #[serde(default = "defaults::min_candidates")]
+    pub min_candidates: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate_ratio: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_candidates: Option<usize>,
+    /// A holder with a shorter match wins only when it saves more than this many uncached tokens.
+    #[serde(default = "defaults::switch_margin_tokens")]
+    pub switch_margin_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pressure_guard: Option<PressureGuard>,
+    /// Soft queue gate: engines with more waiting requests are avoided while others exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_queue_limit: Option<u64>,
+    /// When every candidate is past the soft gate, the engine with the longest match is kept if its
+    /// match covers at least this fraction of the input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub saturation_floor: Option<f64>,
+    #[serde(default = "defaults::min_load_choices")]
+    pub min_load_choices: usize,
+    /// Budget of the prefix index, in tokens, per model.
+    #[serde(default = "defaults::max_tree_tokens")]
+    pub max_tree_tokens: u64,
+}
+
+impl Default for CacheAwareConfig {
+    fn default() -> Self {
+        Self {
+            admission: AdmissionLimits::default(),
+            min_hit_tokens: defaults::min_hit_tokens(),
+            min_hit_ratio: None,
+            min_candidates: defaults::min_candidates(),
+            candidate_ratio: None,
+            max_candidates: None,
+            switch_margin_tokens: defaults::switch_margin_tokens(),
+            pressure_guard: None,
+            worker_queue_limit: None,
+            saturation_floor: None,
+            min_load_choices: defaults::min_load_choices(),
+            max_tree_tokens: defaults::max_tree_tokens(),
+        }
+    }
+}
+
+/// A prefix holder under more pressure than the least-loaded candidate by these margins loses
+/// its preference.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PressureGuard {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_extra_waiting_requests: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_extra_running_requests: Option<u64>,
+}
+
+pub(crate) mod defaults {
+    use super::Role;
+
+    pub fn role() -> Role {
+        Role::Plain
+    }
+    pub fn dp_size() -> u32 {
+        1
+    }
+    pub fn load_interval_ms() -> u64 {
+        250
+    }
+    pub fn load_timeout_ms() -> u64 {
+        200
+    }
+    pub fn stale_after_ms() -> u64 {
+        2000
+    }
+    pub fn health_path() -> String {
+        "/health".to_string()
+    }
+    pub fn health_interval_ms() -> u64 {
+        2000
+    }
+    pub fn health_timeout_ms() -> u64 {
+        1000
+    }
+    pub fn failure_threshold() -> u32 {
+        3
+    }
+    pub fn success_threshold() -> u32 {
+        2
+    }
+    pub fn breaker_failure_threshold() -> u32 {
+        5
+    }
+    pub fn breaker_cooldown_ms() -> u64 {
+        30_000
+    }
+    pub fn prefill_timeout_ms() -> u64 {
+        300_000
+    }
+    pub fn stream_idle_ms() -> u64 {
+        300_000
+    }
+    pub fn bytes_per_token() -> u64 {
+        4
+    }
+    pub fn affinity_sweep_ms() -> u64 {
+        60_000
+    }
+    pub fn session_id_header() -> String {
+        "x-session-id".to_string()
+    }
+    pub fn routing_key_header() -> String {
+        "x-sgl-routing-key".to_string()
+    }
+    pub fn idle_ms() -> u64 {
+        600_000
+    }
+    pub fn min_hit_tokens() -> u64 {
+        1024
+    }
+    pub fn min_candidates() -> usize {
+        1
+    }
+    pub fn switch_margin_tokens() -> u64 {
+        0
+    }
+    pub fn min_load_choices() -> usize {
+        2
+    }
+    pub fn max_tree_tokens() -> u64 {
+        1 << 24
+    }
+}

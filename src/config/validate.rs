@@ -1,0 +1,413 @@
+//! Semantic checks that serde cannot express. Each check names the field it is about; all errors
+//! are collected so an operator fixes a configuration in one pass.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{
+    AdmissionLimits, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, Role,
+    RouterConfig,
+};
+use crate::registry::EngineAddress;
+
+pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
+    let mut errors = Vec::new();
+    let workers = validate_workers(config, &mut errors);
+    validate_sections(config, &mut errors);
+    validate_models(config, &workers, &mut errors);
+    errors
+}
+
+fn validate_workers<'a>(
+    config: &'a RouterConfig,
+    errors: &mut Vec<ConfigError>,
+) -> HashMap<&'a str, (&'a str, Role)> {
+    let mut by_id = HashMap::new();
+    let mut clusters = HashSet::new();
+    if config.workers.is_empty() {
+        errors.push(ConfigError::new(
+            "workers",
+            "at least one worker is required",
+        ));
+    }
+    for (i, w) in config.workers.iter().enumerate() {
+        let path = format!("workers[{i}]");
+        if w.id.trim().is_empty() {
+            errors.push(ConfigError::new(format!("{path}.id"), "must not be empty"));
+        } else if by_id
+            .insert(w.id.as_str(), (w.model.as_str(), w.role))
+            .is_some()
+        {
+            errors.push(ConfigError::new(
+                format!("{path}.id"),
+                format!("duplicate worker id `{}`", w.id),
+            ));
+        }
+        if let Err(e) = EngineAddress::parse(&w.url) {
+            errors.push(ConfigError::new(format!("{path}.url"), e.to_string()));
+        }
+        if w.model.trim().is_empty() {
+            errors.push(ConfigError::new(
+                format!("{path}.model"),
+                "must not be empty",
+            ));
+        } else if !config.models.contains_key(&w.model) {
+            errors.push(ConfigError::new(
+                format!("{path}.model"),
+                format!("model `{}` is not configured under `models`", w.model),
+            ));
+        }
+        if w.bootstrap_port.is_some() && w.role != Role::Prefill {
+            errors.push(ConfigError::new(
+                format!("{path}.bootstrap_port"),
+                "only prefill workers have a bootstrap port",
+            ));
+        }
+        if w.dp_size == 0 {
+            errors.push(ConfigError::new(
+                format!("{path}.dp_size"),
+                "must be at least 1",
+            ));
+        }
+        let cluster = crate::registry::cluster_name(w);
+        if !is_cluster_name(&cluster) {
+            errors.push(ConfigError::new(
+                format!("{path}.cluster"),
+                format!("`{cluster}` is not a usable Envoy cluster name (letters, digits, `_`, `-`, `.`)"),
+            ));
+        } else if !clusters.insert(cluster.clone()) {
+            errors.push(ConfigError::new(
+                format!("{path}.cluster"),
+                format!("duplicate cluster `{cluster}`"),
+            ));
+        }
+    }
+    validate_model_roles(config, errors);
+    by_id
+}
+
+/// The registry keeps plain and PD engines apart within one model (design §7).
+fn validate_model_roles(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
+    let mut first_plain: HashMap<&str, usize> = HashMap::new();
+    let mut first_pd: HashMap<&str, usize> = HashMap::new();
+    for (i, w) in config.workers.iter().enumerate() {
+        match w.role {
+            Role::Plain => first_plain.entry(&w.model).or_insert(i),
+            Role::Prefill | Role::Decode => first_pd.entry(&w.model).or_insert(i),
+        };
+    }
+    for (model, plain) in &first_plain {
+        if let Some(pd) = first_pd.get(model) {
+            let i = plain.max(pd);
+            errors.push(ConfigError::new(
+                format!("workers[{i}].role"),
+                format!("model `{model}` mixes plain and prefill/decode engines (workers[{plain}] and workers[{pd}])"),
+            ));
+        }
+    }
+}
+
+fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
+    let header = config.upstream.header_name();
+    if !is_header_name(header) {
+        errors.push(ConfigError::new(
+            "upstream.header",
+            format!("`{header}` is not a lowercase HTTP header name"),
+        ));
+    }
+    if config.load.source != LoadSource::None {
+        positive(errors, "load.interval_ms", config.load.interval_ms);
+        positive(errors, "load.timeout_ms", config.load.timeout_ms);
+        positive(errors, "load.stale_after_ms", config.load.stale_after_ms);
+    }
+    let h = &config.health;
+    if !h.path.starts_with('/') {
+        errors.push(ConfigError::new("health.path", "must start with `/`"));
+    }
+    positive(errors, "health.interval_ms", h.interval_ms);
+    positive(errors, "health.timeout_ms", h.timeout_ms);
+    positive(
+        errors,
+        "health.failure_threshold",
+        u64::from(h.failure_threshold),
+    );
+    positive(
+        errors,
+        "health.success_threshold",
+        u64::from(h.success_threshold),
+    );
+    if let Some(cb) = &config.circuit_breaker {
+        positive(
+            errors,
+            "circuit_breaker.failure_threshold",
+            u64::from(cb.failure_threshold),
+        );
+        positive(errors, "circuit_breaker.cooldown_ms", cb.cooldown_ms);
+    }
+    positive(
+        errors,
+        "pd.prefill_timeout_ms",
+        config.pd.prefill_timeout_ms,
+    );
+    positive(
+        errors,
+        "tokens.bytes_per_token",
+        config.tokens.bytes_per_token,
+    );
+    positive(errors, "affinity_sweep_ms", config.affinity_sweep_ms);
+}
+
+fn validate_models(
+    config: &RouterConfig,
+    workers: &HashMap<&str, (&str, Role)>,
+    errors: &mut Vec<ConfigError>,
+) {
+    if config.models.is_empty() {
+        errors.push(ConfigError::new("models", "at least one model is required"));
+    }
+    for (name, model) in &config.models {
+        let path = format!("models.{name}");
+        if name.trim().is_empty() {
+            errors.push(ConfigError::new(&path, "model name must not be empty"));
+        }
+        for (field, value) in [
+            ("session_id_header", &model.session_id_header),
+            ("routing_key_header", &model.routing_key_header),
+        ] {
+            if !is_header_name(value) {
+                errors.push(ConfigError::new(
+                    format!("{path}.{field}"),
+                    format!("`{value}` is not a lowercase HTTP header name"),
+                ));
+            }
+        }
+        positive(
+            errors,
+            &format!("{path}.session_idle_ms"),
+            model.session_idle_ms,
+        );
+        positive(
+            errors,
+            &format!("{path}.sticky_idle_ms"),
+            model.sticky_idle_ms,
+        );
+        if model.buckets.is_empty() {
+            errors.push(ConfigError::new(
+                format!("{path}.buckets"),
+                "at least one bucket is required",
+            ));
+        }
+        let model_is_pd = config
+            .workers
+            .iter()
+            .any(|w| w.model == *name && w.role != Role::Plain);
+        let mut ids = HashSet::new();
+        for (b, bucket) in model.buckets.iter().enumerate() {
+            let bpath = format!("{path}.buckets[{b}]");
+            if bucket.id.trim().is_empty() {
+                errors.push(ConfigError::new(format!("{bpath}.id"), "must not be empty"));
+            } else if !ids.insert(bucket.id.as_str()) {
+                errors.push(ConfigError::new(
+                    format!("{bpath}.id"),
+                    format!("duplicate bucket id `{}`", bucket.id),
+                ));
+            }
+            if let Some(max) = bucket.limits.max {
+                if max < bucket.limits.min {
+                    errors.push(ConfigError::new(
+                        format!("{bpath}.limits"),
+                        format!("max ({max}) is below min ({})", bucket.limits.min),
+                    ));
+                }
+            }
+            if bucket.max_context_tokens == Some(0) {
+                errors.push(ConfigError::new(
+                    format!("{bpath}.max_context_tokens"),
+                    "must be at least 1",
+                ));
+            }
+            let mut ctx = GroupCheck {
+                config,
+                model: name,
+                workers,
+                errors: &mut *errors,
+            };
+            match &bucket.groups {
+                GroupsConfig::Plain(group) => {
+                    if model_is_pd {
+                        ctx.errors.push(ConfigError::new(
+                            format!("{bpath}.groups.plain"),
+                            format!("model `{name}` is served by prefill/decode engines; its buckets need `pd` groups"),
+                        ));
+                    }
+                    ctx.check(&format!("{bpath}.groups.plain"), group, Role::Plain);
+                }
+                GroupsConfig::Pd(pd) => {
+                    if !model_is_pd {
+                        ctx.errors.push(ConfigError::new(
+                            format!("{bpath}.groups.pd"),
+                            format!("model `{name}` is served by plain engines; its buckets need a `plain` group"),
+                        ));
+                    }
+
+                    ctx.check(
+                        &format!("{bpath}.groups.pd.prefill"),
+                        &pd.prefill,
+                        Role::Prefill,
+                    );
+                    ctx.check(
+                        &format!("{bpath}.groups.pd.decode"),
+                        &pd.decode,
+                        Role::Decode,
+                    );
+                }
+            }
+        }
+    }
+}
+
+struct GroupCheck<'a, 'e> {
+    config: &'a RouterConfig,
+    model: &'a str,
+    workers: &'a HashMap<&'a str, (&'a str, Role)>,
+    errors: &'e mut Vec<ConfigError>,
+}
+
+impl GroupCheck<'_, '_> {
+    fn check(&mut self, path: &str, group: &GroupConfig, role: Role) {
+        if let Some(ids) = &group.worker_ids {
+            let mut seen = HashSet::new();
+            for (i, id) in ids.iter().enumerate() {
+                let wpath = format!("{path}.worker_ids[{i}]");
+                if !seen.insert(id) {
+                    self.errors
+                        .push(ConfigError::new(&wpath, format!("`{id}` is listed twice")));
+                }
+                match self.workers.get(id.as_str()) {
+                    None => self
+                        .errors
+                        .push(ConfigError::new(&wpath, format!("unknown worker `{id}`"))),
+                    Some((model, _)) if *model != self.model => self.errors.push(ConfigError::new(
+                        &wpath,
+                        format!("worker `{id}` serves model `{model}`, not `{}`", self.model),
+                    )),
+                    Some((_, r)) if *r != role => self.errors.push(ConfigError::new(
+                        &wpath,
+                        format!(
+                            "worker `{id}` has role {}, this group needs {}",
+                            r.as_str(),
+                            role.as_str()
+                        ),
+                    )),
+                    Some(_) => {}
+                }
+            }
+        }
+        self.check_policy(&format!("{path}.policy"), &group.policy, role);
+    }
+
+    fn check_policy(&mut self, path: &str, policy: &PolicyConfig, role: Role) {
+        if let PolicyConfig::CacheAware(c) = policy {
+            if role == Role::Decode {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.type"),
+                    "cache_aware is valid only in plain and prefill groups",
+                ));
+            }
+            for (field, ratio) in [
+                ("min_hit_ratio", c.min_hit_ratio),
+                ("candidate_ratio", c.candidate_ratio),
+                ("saturation_floor", c.saturation_floor),
+            ] {
+                if let Some(r) = ratio {
+                    if !(r > 0.0 && r <= 1.0) {
+                        self.errors.push(ConfigError::new(
+                            format!("{path}.{field}"),
+                            "must be in (0, 1]",
+                        ));
+                    }
+                }
+            }
+            if c.min_candidates == 0 {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.min_candidates"),
+                    "must be at least 1",
+                ));
+            }
+            if let Some(max) = c.max_candidates {
+                if max < c.min_candidates {
+                    self.errors.push(ConfigError::new(
+                        format!("{path}.max_candidates"),
+                        "must be at least min_candidates",
+                    ));
+                }
+            }
+            if c.min_load_choices == 0 {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.min_load_choices"),
+                    "must be at least 1",
+                ));
+            }
+            positive(
+                self.errors,
+                &format!("{path}.max_tree_tokens"),
+                c.max_tree_tokens,
+            );
+        }
+        self.check_admission(&format!("{path}.admission"), policy.admission());
+    }
+
+    /// A cap the load source cannot supply would never be checked; refuse it instead.
+    fn check_admission(&mut self, path: &str, limits: &AdmissionLimits) {
+        let source = self.config.load.source;
+        let reported = [
+            (
+                "max_running_requests",
+                limits.max_running_requests,
+                source != LoadSource::None,
+            ),
+            (
+                "max_waiting_requests",
+                limits.max_waiting_requests,
+                source != LoadSource::None,
+            ),
+            (
+                "max_kv_tokens",
+                limits.max_kv_tokens,
+                matches!(source, LoadSource::SglangLoads | LoadSource::SglangGetLoad),
+            ),
+            (
+                "max_pending_prefill_tokens",
+                limits.max_pending_prefill_tokens,
+                source == LoadSource::SglangLoads,
+            ),
+        ];
+        for (field, cap, supplied) in reported {
+            if cap.is_some() && !supplied {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.{field}"),
+                    format!("load.source `{}` does not report this metric, so the cap could never be checked", source.as_str()),
+                ));
+            }
+        }
+    }
+}
+
+fn positive(errors: &mut Vec<ConfigError>, path: &str, value: u64) {
+    if value == 0 {
+        errors.push(ConfigError::new(path, "must be greater than 0"));
+    }
+}
+
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn is_cluster_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}

@@ -1,0 +1,33 @@
+//! The host the core runs on: shared data with cas, a clock and randomness. In Envoy it is
+//! proxy-wasm (`proxy/host.rs`); in unit tests it is [`MemoryHost`].
+
+mod memory;
+
+pub use memory::MemoryHost;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HostError {
+    /// Someone else wrote the key since it was read.
+    #[error("shared data changed since it was read")]
+    CasMismatch,
+    #[error("host call failed: {0}")]
+    Failed(String),
+}
+
+/// A value in shared data and the cas to write it back with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedValue {
+    pub bytes: Vec<u8>,
+    pub cas: u32,
+}
+
+pub trait Host: Send + Sync {
+    /// `Ok(None)` when the key was never written (or was written empty).
+    fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError>;
+    /// With `cas`, fails with [`HostError::CasMismatch`] when the key changed since that read. An
+    /// absent key is not checked by the host, so first writers must re-read to converge.
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError>;
+    /// Milliseconds of wall-clock time.
+    fn now_ms(&self) -> u64;
+    fn random_u64(&self) -> u64;
+}

@@ -1,0 +1,55 @@
+//! The core's [`Host`] over proxy-wasm host calls.
+
+use std::time::UNIX_EPOCH;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::Status;
+
+use crate::host::{Host, HostError, SharedValue};
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ProxyHost;
+
+impl Host for ProxyHost {
+    fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(bytes), cas)) if !bytes.is_empty() => Ok(Some(SharedValue {
+                bytes,
+                cas: cas.unwrap_or(0),
+            })),
+            Ok(_) => Ok(None),
+            Err(status) => Err(HostError::Failed(format!(
+                "get_shared_data({key}): {status:?}"
+            ))),
+        }
+    }
+
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(HostError::CasMismatch),
+            Err(status) => Err(HostError::Failed(format!(
+                "set_shared_data({key}): {status:?}"
+            ))),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+
+    fn random_u64(&self) -> u64 {
+        getrandom::u64().unwrap_or_else(|_| self.now_ms().wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
+}
+
+/// Asks Envoy to pick the route again after the filter set the upstream header.
+pub fn clear_route_cache() {
+    if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", Some(&[])) {
+        log::debug!("clear_route_cache unavailable: {status:?}");
+    }
+}

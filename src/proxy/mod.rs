@@ -1,0 +1,15 @@
+//! The proxy-wasm glue, and the only code that names proxy-wasm. It carries out what the core
+//! decides: the filter applies decisions to requests, the service runs the core's monitors on its
+//! ticks and publishes their tables.
+
+mod filter;
+mod host;
+mod root;
+mod service;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::Root::default())
+    });
+}}

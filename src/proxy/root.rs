@@ -1,0 +1,99 @@
+//! The root context of both plugins. Which one it is comes from the `plugin_root_id` property.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::ContextType;
+
+use super::filter::Filter;
+use super::host::ProxyHost;
+use super::service::Service;
+use crate::config;
+use crate::server::AppContext;
+
+pub const FILTER_ROOT_ID: &str = "sgl_router";
+pub const SERVICE_ROOT_ID: &str = "sgl_router_service";
+
+#[derive(Default)]
+pub struct Root {
+    filter: Option<Rc<RefCell<AppContext>>>,
+    service: Option<Service>,
+}
+
+fn root_id() -> String {
+    hostcalls::get_property(vec!["plugin_root_id"])
+        .ok()
+        .flatten()
+        .and_then(|b| String::from_utf8(b).ok())
+        .unwrap_or_default()
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if let Some(service) = self.service.as_mut() {
+            service.on_http_call_response(token, body_size);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let raw = self.get_plugin_configuration().unwrap_or_default();
+        let text = String::from_utf8_lossy(&raw);
+        let parsed = match config::parse_and_validate(&text) {
+            Ok(c) => c,
+            Err(errors) => {
+                for e in &errors.0 {
+                    log::error!("sgl-envoy-router configuration rejected: {e}");
+                }
+                return false;
+            }
+        };
+        let id = root_id();
+        match id.as_str() {
+            FILTER_ROOT_ID => {
+                self.filter = Some(Rc::new(RefCell::new(AppContext::new(
+                    parsed,
+                    Arc::new(ProxyHost),
+                ))));
+                true
+            }
+            SERVICE_ROOT_ID => {
+                let service = Service::new(parsed);
+                self.set_tick_period(service.tick_period());
+                self.service = Some(service);
+                true
+            }
+            other => {
+                log::error!(
+                    "sgl-envoy-router: unknown root_id `{other}`; use `{FILTER_ROOT_ID}` for the HTTP filter or `{SERVICE_ROOT_ID}` for the bootstrap service"
+                );
+                false
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(service) = self.service.as_mut() {
+            service.on_tick();
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let app = self.filter.as_ref()?;
+        Some(Box::new(Filter::new(Rc::clone(app))))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

@@ -1,0 +1,164 @@
+//! Request preparation for `POST /v1/chat/completions` (spec §3): the routing facts, extracted
+//! once, and SGLang's validation of the sampling fields.
+
+use serde_json::{Map, Value};
+
+use crate::server::RouteError;
+
+/// What routing needs to know about a chat request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatFacts {
+    pub model: String,
+    pub stream: bool,
+    pub n: u64,
+    /// `max_completion_tokens`, else `max_tokens`, else unknown.
+    pub output_budget: Option<u64>,
+    pub input_tokens: u64,
+    /// Input plus output budget when the budget is known (per sequence, whatever `n`).
+    pub expected_peak_tokens: Option<u64>,
+}
+
+/// Parses and validates a chat body. `bytes_per_token` is ≥ 1 (validated configuration).
+pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<ChatFacts, RouteError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| RouteError::invalid(format!("request body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(RouteError::invalid("request body must be a JSON object"));
+    };
+    let model = match obj.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(_) => return Err(RouteError::invalid("`model` must be a non-empty string")),
+        None => return Err(RouteError::invalid("`model` is required")),
+    };
+    let messages = match obj.get("messages") {
+        Some(Value::Array(m)) => m,
+        Some(_) => return Err(RouteError::invalid("`messages` must be an array")),
+        None => return Err(RouteError::invalid("`messages` is required")),
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(RouteError::invalid("`stream` must be a boolean")),
+    };
+    validate_sampling(&obj)?;
+    let n = optional_integer(&obj, "n")?.unwrap_or(1);
+    if n < 1 {
+        return Err(RouteError::invalid("`n` must be at least 1"));
+    }
+    let output_budget = match optional_integer(&obj, "max_completion_tokens")? {
+        Some(b) => Some(b),
+        None => optional_integer(&obj, "max_tokens")?,
+    };
+    let output_budget = output_budget
+        .map(|b| {
+            u64::try_from(b)
+                .map_err(|_| RouteError::invalid("the output budget must be at least 0"))
+        })
+        .transpose()?;
+    let text_bytes = messages
+        .iter()
+        .map(message_text_bytes)
+        .fold(0u64, u64::saturating_add);
+    let input_tokens = text_bytes.div_ceil(bytes_per_token.max(1));
+    let expected_peak_tokens = output_budget
+        .map(|b| {
+            input_tokens.checked_add(b).ok_or_else(|| {
+                RouteError::invalid(format!(
+                    "output budget {b} plus {input_tokens} input tokens overflows the expected peak"
+                ))
+            })
+        })
+        .transpose()?;
+    Ok(ChatFacts {
+        model,
+        stream,
+        n: u64::try_from(n).unwrap_or(u64::MAX),
+        output_budget,
+        input_tokens,
+        expected_peak_tokens,
+    })
+}
+
+/// UTF-8 bytes of a message's text: a string content, or the text parts of an array content.
+fn message_text_bytes(message: &Value) -> u64 {
+    match message.get("content") {
+        Some(Value::String(s)) => s.len() as u64,
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(|t| t.len() as u64)
+            .fold(0, u64::saturating_add),
+        _ => 0,
+    }
+}
+
+/// An integer field; `null` counts as absent. Integral floats (`16.0`) are accepted as SGLang's
+/// pydantic models do.
+fn optional_integer(obj: &Map<String, Value>, field: &str) -> Result<Option<i128>, RouteError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => {
+            if let Some(i) = n.as_i64() {
+                Ok(Some(i128::from(i)))
+            } else if let Some(u) = n.as_u64() {
+                Ok(Some(i128::from(u)))
+            } else {
+                match n.as_f64() {
+                    Some(f) if f.fract() == 0.0 && f.abs() < 1e30 => Ok(Some(f as i128)),
+                    _ => Err(RouteError::invalid(format!("`{field}` must be an integer"))),
+                }
+            }
+        }
+        Some(_) => Err(RouteError::invalid(format!("`{field}` must be an integer"))),
+    }
+}
+
+fn optional_number(obj: &Map<String, Value>, field: &str) -> Result<Option<f64>, RouteError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64()),
+        Some(_) => Err(RouteError::invalid(format!("`{field}` must be a number"))),
+    }
+}
+
+/// SGLang's sampling-parameter ranges.
+fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteError> {
+    let check = |field: &str, ok: fn(f64) -> bool, range: &str| -> Result<(), RouteError> {
+        match optional_number(obj, field)? {
+            Some(v) if !ok(v) => Err(RouteError::invalid(format!(
+                "`{field}` must be {range}, got {v}"
+            ))),
+            _ => Ok(()),
+        }
+    };
+    check("temperature", |v| v >= 0.0, "at least 0")?;
+    check("top_p", |v| v > 0.0 && v <= 1.0, "in (0, 1]")?;
+    check("min_p", |v| (0.0..=1.0).contains(&v), "in [0, 1]")?;
+    check(
+        "frequency_penalty",
+        |v| (-2.0..=2.0).contains(&v),
+        "in [-2, 2]",
+    )?;
+    check(
+        "presence_penalty",
+        |v| (-2.0..=2.0).contains(&v),
+        "in [-2, 2]",
+    )?;
+    check(
+        "repetition_penalty",
+        |v| (0.0..=2.0).contains(&v),
+        "in [0, 2]",
+    )?;
+    if let Some(k) = optional_integer(obj, "top_k")? {
+        if k != -1 && k < 1 {
+            return Err(RouteError::invalid(format!(
+                "`top_k` must be -1 or at least 1, got {k}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,185 @@
+//! Engine health: the service's checker state machine and the table it publishes. A worker is
+//! healthy until its first failed checks say otherwise.
+
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::HealthConfig;
+use crate::registry::Worker;
+
+/// What the service publishes and every filter VM reads.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthTable {
+    pub unhealthy: Vec<String>,
+}
+
+impl HealthTable {
+    pub fn unhealthy_set(&self) -> HashSet<&str> {
+        self.unhealthy.iter().map(String::as_str).collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct WorkerHealth {
+    id: String,
+    healthy: bool,
+    consecutive_ok: u32,
+    consecutive_fail: u32,
+    next_due_ms: u64,
+    checking: bool,
+}
+
+/// The service's per-worker check schedule and threshold logic.
+#[derive(Debug)]
+pub struct HealthMonitor {
+    config: HealthConfig,
+    workers: Vec<WorkerHealth>,
+}
+
+impl HealthMonitor {
+    pub fn new(config: HealthConfig, workers: &[std::sync::Arc<Worker>]) -> Self {
+        Self {
+            config,
+            workers: workers
+                .iter()
+                .map(|w| WorkerHealth {
+                    id: w.id.clone(),
+                    healthy: true,
+                    consecutive_ok: 0,
+                    consecutive_fail: 0,
+                    next_due_ms: 0,
+                    checking: false,
+                })
+                .collect(),
+        }
+    }
+
+    /// Workers whose check is due now; each is marked as being checked until [`Self::record`].
+    pub fn due(&mut self, now_ms: u64) -> Vec<usize> {
+        let interval = self.config.interval_ms;
+        self.workers
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, w)| !w.checking && w.next_due_ms <= now_ms)
+            .map(|(i, w)| {
+                w.checking = true;
+                w.next_due_ms = now_ms.saturating_add(interval);
+                i
+            })
+            .collect()
+    }
+
+    /// Records a finished check; returns whether the worker's health flipped.
+    pub fn record(&mut self, index: usize, ok: bool) -> bool {
+        let Some(w) = self.workers.get_mut(index) else {
+            return false;
+        };
+        w.checking = false;
+        if ok {
+            w.consecutive_ok = w.consecutive_ok.saturating_add(1);
+            w.consecutive_fail = 0;
+            if !w.healthy && w.consecutive_ok >= self.config.success_threshold {
+                w.healthy = true;
+                return true;
+            }
+        } else {
+            w.consecutive_fail = w.consecutive_fail.saturating_add(1);
+            w.consecutive_ok = 0;
+            if w.healthy && w.consecutive_fail >= self.config.failure_threshold {
+                w.healthy = false;
+                return true;
+            }
+        }
+        false
+    }
+
+    /// A check that could not even be dispatched counts as a failure, so it is not retried forever.
+    pub fn abandon(&mut self, index: usize) -> bool {
+        self.record(index, false)
+    }
+
+    pub fn table(&self) -> HealthTable {
+        HealthTable {
+            unhealthy: self
+                .workers
+                .iter()
+                .filter(|w| !w.healthy)
+                .map(|w| w.id.clone())
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::Role;
+    use crate::registry::EngineAddress;
+
+    fn worker(id: &str) -> Arc<Worker> {
+        Arc::new(Worker {
+            id: id.to_string(),
+            model: "m".to_string(),
+            role: Role::Plain,
+            address: EngineAddress {
+                host: "127.0.0.1".to_string(),
+                port: 1,
+            },
+            cluster: format!("sgl_{id}"),
+            bootstrap_port: None,
+            dp_size: 1,
+        })
+    }
+
+    fn monitor() -> HealthMonitor {
+        let config = HealthConfig {
+            failure_threshold: 2,
+            success_threshold: 2,
+            interval_ms: 100,
+            ..HealthConfig::default()
+        };
+        HealthMonitor::new(config, &[worker("A"), worker("B")])
+    }
+
+    #[test]
+    fn healthy_until_failure_threshold_reached() {
+        let mut m = monitor();
+        assert!(m.table().unhealthy.is_empty());
+        assert!(!m.record(0, false));
+        assert!(m.table().unhealthy.is_empty());
+        assert!(m.record(0, false));
+        assert_eq!(m.table().unhealthy, vec!["A".to_string()]);
+    }
+
+    #[test]
+    fn recovers_after_success_threshold() {
+        let mut m = monitor();
+        m.record(0, false);
+        m.record(0, false);
+        assert!(!m.record(0, true));
+        assert!(m.record(0, true));
+        assert!(m.table().unhealthy.is_empty());
+    }
+
+    #[test]
+    fn a_success_resets_the_failure_run() {
+        let mut m = monitor();
+        m.record(0, false);
+        m.record(0, true);
+        assert!(!m.record(0, false));
+        assert!(m.table().unhealthy.is_empty());
+    }
+
+    #[test]
+    fn due_checks_follow_the_interval_and_skip_outstanding_ones() {
+        let mut m = monitor();
+        assert_eq!(m.due(0), vec![0, 1]);
+        assert!(m.due(50).is_empty());
+        m.record(0, true);
+        assert!(m.due(99).is_empty());
+        assert_eq!(m.due(100), vec![0]);
+    }
+}

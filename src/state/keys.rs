@@ -1,0 +1,14 @@
+//! Names of the shared-data keys. All are fixed or bounded by the configuration; none is created
+//! per request or per session, because shared data can never delete a key.
+
+pub const HEALTH_TABLE: &str = "sgl.health";
+
+/// The round-robin cursor of one policy instance (model / bucket / stage).
+pub fn round_robin_cursor(instance: &str) -> String {
+    format!("sgl.rr.{instance}")
+}
+
+/// The small key beside a large table whose change tells readers to decode the table again.
+pub fn version_of(table: &str) -> String {
+    format!("{table}.version")
+}

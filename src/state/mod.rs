@@ -1,0 +1,5 @@
+//! State shared between the service and every worker VM, kept in the host's shared data.
+
+pub mod health;
+pub mod keys;
+pub mod shared;

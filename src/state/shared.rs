@@ -1,0 +1,139 @@
+//! Two shapes every shared table takes: a table published by one writer and read by many through
+//! a version key, and a counter updated by everyone with cas.
+
+use std::marker::PhantomData;
+
+use serde::de::DeserializeOwned;
+
+use super::keys;
+use crate::host::{Host, HostError};
+
+/// How often a cas update is retried before giving up; contention is between a handful of VMs.
+const CAS_RETRIES: usize = 32;
+
+/// Publishes a table written by the service alone: the table first, then its version, so a
+/// reader that sees the new version always finds the new table.
+pub fn publish(host: &dyn Host, table: &str, bytes: &[u8]) -> Result<u64, HostError> {
+    host.shared_set(table, bytes, None)?;
+    let version_key = keys::version_of(table);
+    let next = read_u64(host, &version_key)?.unwrap_or(0).wrapping_add(1);
+    host.shared_set(&version_key, &next.to_le_bytes(), None)?;
+    Ok(next)
+}
+
+/// A worker VM's copy of a published table, decoded again only when its version moved.
+#[derive(Debug)]
+pub struct VersionedReader<T> {
+    table: String,
+    version_key: String,
+    seen: Option<u64>,
+    value: Option<T>,
+    _marker: PhantomData<T>,
+}
+
+impl<T: DeserializeOwned> VersionedReader<T> {
+    pub fn new(table: &str) -> Self {
+        Self {
+            table: table.to_string(),
+            version_key: keys::version_of(table),
+            seen: None,
+            value: None,
+            _marker: PhantomData,
+        }
+    }
+
+    /// The current table, or `None` before the first publication. A table that fails to decode
+    /// keeps the previous copy: a reader never acts on half-understood data.
+    pub fn current(&mut self, host: &dyn Host) -> Option<&T> {
+        if let Ok(Some(version)) = read_u64(host, &self.version_key) {
+            if self.seen != Some(version) {
+                if let Ok(Some(raw)) = host.shared_get(&self.table) {
+                    if let Ok(decoded) = serde_json::from_slice(&raw.bytes) {
+                        self.value = Some(decoded);
+                        self.seen = Some(version);
+                    }
+                }
+            }
+        }
+        self.value.as_ref()
+    }
+
+    pub fn version(&self) -> Option<u64> {
+        self.seen
+    }
+}
+
+pub fn read_u64(host: &dyn Host, key: &str) -> Result<Option<u64>, HostError> {
+    Ok(host.shared_get(key)?.and_then(|v| decode_u64(&v.bytes)))
+}
+
+fn decode_u64(bytes: &[u8]) -> Option<u64> {
+    let array: [u8; 8] = bytes.try_into().ok()?;
+    Some(u64::from_le_bytes(array))
+}
+
+/// Adds `delta` to a shared counter and returns the value before the addition. Every VM may call
+/// it concurrently; cas makes sure no update is lost.
+pub fn fetch_add(host: &dyn Host, key: &str, delta: u64) -> Result<u64, HostError> {
+    for _ in 0..CAS_RETRIES {
+        match host.shared_get(key)? {
+            None => {
+                // Racing first writers may both write zero; neither loses an increment, because
+                // increments only ever happen through cas below.
+                host.shared_set(key, &0u64.to_le_bytes(), None)?;
+            }
+            Some(current) => {
+                let value = decode_u64(&current.bytes).unwrap_or(0);
+                let next = value.wrapping_add(delta);
+                match host.shared_set(key, &next.to_le_bytes(), Some(current.cas)) {
+                    Ok(()) => return Ok(value),
+                    Err(HostError::CasMismatch) => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Err(HostError::Failed(format!(
+        "`{key}` stayed contended for {CAS_RETRIES} cas attempts"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::MemoryHost;
+
+    #[test]
+    fn reader_sees_publications_and_skips_unchanged_versions() {
+        let host = MemoryHost::default();
+        let mut reader: VersionedReader<Vec<u32>> = VersionedReader::new("t");
+        assert_eq!(reader.current(&host), None);
+        publish(&host, "t", b"[1,2]").unwrap();
+        assert_eq!(reader.current(&host), Some(&vec![1, 2]));
+        // Overwrite the table without a version bump: the reader keeps its decoded copy.
+        host.shared_set("t", b"[9]", None).unwrap();
+        assert_eq!(reader.current(&host), Some(&vec![1, 2]));
+        publish(&host, "t", b"[3]").unwrap();
+        assert_eq!(reader.current(&host), Some(&vec![3]));
+        assert_eq!(reader.version(), Some(2));
+    }
+
+    #[test]
+    fn undecodable_table_keeps_previous_copy() {
+        let host = MemoryHost::default();
+        let mut reader: VersionedReader<Vec<u32>> = VersionedReader::new("t");
+        publish(&host, "t", b"[1]").unwrap();
+        reader.current(&host);
+        publish(&host, "t", b"not json").unwrap();
+        assert_eq!(reader.current(&host), Some(&vec![1]));
+    }
+
+    #[test]
+    fn fetch_add_counts_from_zero() {
+        let host = MemoryHost::default();
+        assert_eq!(fetch_add(&host, "c", 1).unwrap(), 0);
+        assert_eq!(fetch_add(&host, "c", 1).unwrap(), 1);
+        assert_eq!(fetch_add(&host, "c", 5).unwrap(), 2);
+        assert_eq!(read_u64(&host, "c").unwrap(), Some(7));
+    }
+}

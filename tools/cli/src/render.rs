@@ -1,0 +1,213 @@
+//! `render`: a complete Envoy bootstrap for a router configuration (spec §6).
+
+use serde_json::{json, Value};
+use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
+use sgl_envoy_router::registry::WorkerRegistry;
+
+pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
+const VM_ID: &str = "sgl_router";
+/// Above the filter's own 32 MiB limit, so the filter answers 413 itself.
+const BUFFER_LIMIT_BYTES: u64 = 40 * 1024 * 1024;
+const ORIGINAL_DST_CLUSTER: &str = "sgl_original_dst";
+
+#[derive(Debug, Clone)]
+pub struct RenderOptions {
+    pub wasm_path: String,
+    pub listen_address: String,
+    pub listen_port: u16,
+    pub admin_port: u16,
+}
+
+impl Default for RenderOptions {
+    fn default() -> Self {
+        Self {
+            wasm_path: DEFAULT_WASM.to_string(),
+            listen_address: "127.0.0.1".to_string(),
+            listen_port: 10000,
+            admin_port: 9901,
+        }
+    }
+}
+
+pub fn render(
+    config: &RouterConfig,
+    options: &RenderOptions,
+) -> Result<String, serde_yaml_ng::Error> {
+    let bootstrap = bootstrap(config, options);
+    let yaml = serde_yaml_ng::to_string(&bootstrap)?;
+    Ok(format!(
+        "# Rendered by `sgl-envoy-router render`; edit the router configuration and render again.\n{yaml}"
+    ))
+}
+
+fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
+    // The plugin gets the configuration with every default spelled out.
+    let router_json = serde_json::to_string(config).unwrap_or_default();
+    json!({
+        "admin": {
+            "address": socket("127.0.0.1", options.admin_port),
+        },
+        "bootstrap_extensions": [{
+            "name": "envoy.bootstrap.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
+                "singleton": true,
+                "config": plugin("sgl_router_service", &router_json, options, false),
+            }
+        }],
+        "stats_config": {
+            // Prometheus labels from the filter's metric names (wasmcustom.<metric>.<label>.<value>).
+            "stats_tags": [
+                {"tag_name": "worker", "regex": "^wasmcustom\\.sgl_router_\\w+?\\.worker\\.(([^.]+)\\.)"},
+                {"tag_name": "bucket", "regex": "^wasmcustom\\.sgl_router_\\w+?\\.bucket\\.(([^.]+)\\.)"},
+            ]
+        },
+        "static_resources": {
+            "listeners": [listener(config, options, &router_json)],
+            "clusters": clusters(config),
+        }
+    })
+}
+
+fn socket(address: &str, port: u16) -> Value {
+    json!({"socket_address": {"address": address, "port_value": port}})
+}
+
+fn plugin(root_id: &str, router_json: &str, options: &RenderOptions, http_filter: bool) -> Value {
+    let mut config = json!({
+        "name": root_id,
+        "root_id": root_id,
+        "vm_config": {
+            "vm_id": VM_ID,
+            "runtime": "envoy.wasm.runtime.v8",
+            "code": {"local": {"filename": options.wasm_path}},
+        },
+        "configuration": {
+            "@type": "type.googleapis.com/google.protobuf.StringValue",
+            "value": router_json,
+        },
+        "failure_policy": "FAIL_RELOAD",
+    });
+    if http_filter {
+        // Without it, pausing in the headers phase stops the body callbacks (field notes).
+        config["allow_on_headers_stop_iteration"] = json!(true);
+    }
+    config
+}
+
+fn not_found_body() -> String {
+    json!({"error": {"message": "no route for this path; the router serves POST /v1/chat/completions and GET /v1/models", "type": "not_found", "code": 404}}).to_string()
+}
+
+fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -> Value {
+    let chat_cluster = match config.upstream.mode {
+        UpstreamMode::ClusterHeader => json!({"cluster_header": config.upstream.header_name()}),
+        UpstreamMode::OriginalDst => json!({"cluster": ORIGINAL_DST_CLUSTER}),
+    };
+    let mut chat_route = chat_cluster;
+    // 0s = no route timeout: generations can run for minutes (Envoy's default would cut at 15 s).
+    chat_route["timeout"] = json!(duration(config.timeouts.request_ms));
+    let json_content_type = json!([{
+        "header": {"key": "content-type", "value": "application/json"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+    }]);
+    json!({
+        "name": "sgl_listener",
+        "address": socket(&options.listen_address, options.listen_port),
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "filter_chains": [{
+            "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "sgl",
+                    "stream_idle_timeout": duration(config.timeouts.stream_idle_ms),
+                    "route_config": {
+                        "name": "sgl_routes",
+                        "virtual_hosts": [{
+                            "name": "sgl",
+                            "domains": ["*"],
+                            "routes": [
+                                {"match": {"path": "/v1/chat/completions"}, "route": chat_route},
+                                {
+                                    "match": {"prefix": "/"},
+                                    "direct_response": {"status": 404, "body": {"inline_string": not_found_body()}},
+                                    "response_headers_to_add": json_content_type,
+                                },
+                            ],
+                        }],
+                    },
+                    "http_filters": [
+                        {
+                            "name": "envoy.filters.http.wasm",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                                "config": plugin("sgl_router", router_json, options, true),
+                            }
+                        },
+                        {
+                            "name": "envoy.filters.http.router",
+                            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                        },
+                    ],
+                },
+            }],
+        }],
+    })
+}
+
+fn duration(ms: u64) -> String {
+    if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{}.{:03}s", ms / 1000, ms % 1000)
+    }
+}
+
+/// Envoy's own per-cluster limits default to 1,024 requests; a router must not cap engines below
+/// what their admission allows.
+fn circuit_breakers() -> Value {
+    json!({"thresholds": [{
+        "max_connections": 100000,
+        "max_pending_requests": 100000,
+        "max_requests": 100000,
+        "max_retries": 3,
+    }]})
+}
+
+fn clusters(config: &RouterConfig) -> Vec<Value> {
+    let registry = WorkerRegistry::from_config(config);
+    let mut clusters: Vec<Value> = registry
+        .all()
+        .iter()
+        .map(|w| {
+            let is_ip = w.address.host.parse::<std::net::IpAddr>().is_ok();
+            json!({
+                "name": w.cluster,
+                "type": if is_ip { "STATIC" } else { "STRICT_DNS" },
+                "connect_timeout": "5s",
+                "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+                "circuit_breakers": circuit_breakers(),
+                "load_assignment": {
+                    "cluster_name": w.cluster,
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket(&w.address.host, w.address.port)}}]}],
+                },
+            })
+        })
+        .collect();
+    if config.upstream.mode == UpstreamMode::OriginalDst {
+        clusters.push(json!({
+            "name": ORIGINAL_DST_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "5s",
+            "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+            "circuit_breakers": circuit_breakers(),
+            "original_dst_lb_config": {
+                "use_http_header": true,
+                "http_header_name": config.upstream.header_name(),
+            },
+        }));
+    }
+    clusters
+}
