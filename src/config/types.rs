@@ -310,7 +310,7 @@ pub enum PolicyConfig {
     LoadBased(BasicPolicyConfig),
     SessionAware(BasicPolicyConfig),
     Sticky(StickyPolicyConfig),
-    CacheAware(CacheAwareConfig),
+    CacheAware(Box<CacheAwareConfig>),
 }
 
 impl PolicyConfig {

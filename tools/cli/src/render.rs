@@ -157,7 +157,7 @@ fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -
 }
 
 fn duration(ms: u64) -> String {
-    if ms % 1000 == 0 {
+    if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{}.{:03}s", ms / 1000, ms % 1000)

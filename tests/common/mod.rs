@@ -1,0 +1,564 @@
+//! End-to-end harness: simulated engines and a real Envoy running our filter, on free loopback
+//! ports, cleaned up on drop (also when a test panics, when Envoy's log is printed).
+
+#![allow(dead_code)] // each test binary uses its own part of the harness
+
+use std::fs;
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target"))
+}
+
+fn require(path: PathBuf, what: &str) -> PathBuf {
+    assert!(
+        path.exists(),
+        "{what} not found at {} — run scripts/test (it builds everything first)",
+        path.display()
+    );
+    path
+}
+
+pub fn sim_bin() -> PathBuf {
+    require(target_dir().join("debug/sgl-sim"), "sgl-sim")
+}
+
+pub fn cli_bin() -> PathBuf {
+    require(
+        target_dir().join("debug/sgl-envoy-router"),
+        "the sgl-envoy-router CLI",
+    )
+}
+
+pub fn wasm_module() -> PathBuf {
+    require(
+        target_dir().join("wasm32-wasip1/release/sgl_envoy_router.wasm"),
+        "the wasm module",
+    )
+}
+
+pub fn envoy_bin() -> PathBuf {
+    match std::env::var_os("ENVOY_BIN") {
+        Some(p) => PathBuf::from(p),
+        None => require(
+            repo_root().join(".venv/bin/envoy"),
+            "Envoy (scripts/setup installs it)",
+        ),
+    }
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port: {e}"))
+}
+
+/// A fresh directory for one test's files.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = target_dir().join("e2e").join(format!(
+        "{name}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+    dir
+}
+
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .build()
+        .into()
+}
+
+/// Polls `check` until it returns `Some`, or panics with `what` after `timeout`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        sleep(Duration::from_millis(50));
+    }
+}
+
+/// A child process killed on drop.
+pub struct Process {
+    pub name: String,
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Process {
+    pub fn spawn(name: &str, command: &mut Command, log: PathBuf) -> Self {
+        let out = fs::File::create(&log)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", log.display()));
+        let err = out
+            .try_clone()
+            .unwrap_or_else(|e| panic!("cannot clone log handle: {e}"));
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Self {
+            name: name.to_string(),
+            child,
+            log,
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SimSpec {
+    pub id: String,
+    pub role: &'static str,
+    pub model: String,
+    pub token_delay_ms: u64,
+    pub max_running: usize,
+    pub dp_size: u32,
+    pub bootstrap_timeout_ms: u64,
+}
+
+impl SimSpec {
+    pub fn plain(id: &str) -> Self {
+        Self {
+            id: id.to_string(),
+            role: "plain",
+            model: "demo-model".to_string(),
+            token_delay_ms: 2,
+            max_running: 64,
+            dp_size: 1,
+            bootstrap_timeout_ms: 5_000,
+        }
+    }
+
+    pub fn prefill(id: &str) -> Self {
+        Self {
+            role: "prefill",
+            ..Self::plain(id)
+        }
+    }
+
+    pub fn decode(id: &str) -> Self {
+        Self {
+            role: "decode",
+            ..Self::plain(id)
+        }
+    }
+
+    pub fn model(mut self, model: &str) -> Self {
+        self.model = model.to_string();
+        self
+    }
+}
+
+pub struct Sim {
+    pub spec: SimSpec,
+    pub port: u16,
+    pub bootstrap_port: Option<u16>,
+    process: Process,
+}
+
+impl Sim {
+    pub fn start(spec: SimSpec, dir: &Path) -> Self {
+        let port = free_port();
+        let bootstrap_port = (spec.role == "prefill").then(free_port);
+        let mut cmd = Command::new(sim_bin());
+        cmd.args([
+            "--id",
+            &spec.id,
+            "--port",
+            &port.to_string(),
+            "--model",
+            &spec.model,
+            "--role",
+            spec.role,
+        ])
+        .args(["--token-delay-ms", &spec.token_delay_ms.to_string()])
+        .args(["--max-running", &spec.max_running.to_string()])
+        .args(["--dp-size", &spec.dp_size.to_string()])
+        .args([
+            "--bootstrap-timeout-ms",
+            &spec.bootstrap_timeout_ms.to_string(),
+        ]);
+        if let Some(b) = bootstrap_port {
+            cmd.args(["--bootstrap-port", &b.to_string()]);
+        }
+        let process = Process::spawn(
+            &format!("sim {}", spec.id),
+            &mut cmd,
+            dir.join(format!("sim-{}.log", spec.id)),
+        );
+        let sim = Self {
+            spec,
+            port,
+            bootstrap_port,
+            process,
+        };
+        let a = agent();
+        wait_for(
+            &format!("sim {} to listen", sim.spec.id),
+            Duration::from_secs(10),
+            || {
+                a.get(&sim.url("/sim/state"))
+                    .call()
+                    .ok()
+                    .filter(|r| r.status() == 200)
+            },
+        );
+        sim
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn control(&self, update: Value) {
+        let r = agent()
+            .post(&self.url("/sim/control"))
+            .send_json(&update)
+            .unwrap_or_else(|e| panic!("control of sim {} failed: {e}", self.spec.id));
+        assert_eq!(
+            r.status(),
+            200,
+            "control of sim {} refused {update}",
+            self.spec.id
+        );
+    }
+
+    pub fn state(&self) -> Value {
+        let mut r = agent()
+            .get(&self.url("/sim/state"))
+            .call()
+            .unwrap_or_else(|e| panic!("state of sim {} failed: {e}", self.spec.id));
+        r.body_mut()
+            .read_json()
+            .unwrap_or_else(|e| panic!("state of sim {} is not JSON: {e}", self.spec.id))
+    }
+
+    /// The worker entry of a router configuration for this engine.
+    pub fn worker_json(&self) -> Value {
+        let mut w = json!({
+            "id": self.spec.id,
+            "url": format!("http://127.0.0.1:{}", self.port),
+            "model": self.spec.model,
+            "role": self.spec.role,
+        });
+        if let Some(b) = self.bootstrap_port {
+            w["bootstrap_port"] = json!(b);
+        }
+        if self.spec.dp_size > 1 {
+            w["dp_size"] = json!(self.spec.dp_size);
+        }
+        w
+    }
+}
+
+/// Renders a router configuration to an Envoy bootstrap with the CLI.
+pub fn render(router: &Value, dir: &Path, listen_port: u16, admin_port: u16) -> PathBuf {
+    let router_path = dir.join("router.json");
+    fs::write(
+        &router_path,
+        serde_json::to_vec_pretty(router).unwrap_or_default(),
+    )
+    .unwrap_or_else(|e| panic!("cannot write router config: {e}"));
+    let out = Command::new(cli_bin())
+        .arg("render")
+        .arg(&router_path)
+        .arg("--wasm")
+        .arg(wasm_module())
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{listen_port}"),
+            "--admin",
+            &admin_port.to_string(),
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the CLI: {e}"));
+    assert!(
+        out.status.success(),
+        "render failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let envoy_path = dir.join("envoy.yaml");
+    fs::write(&envoy_path, &out.stdout)
+        .unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
+    envoy_path
+}
+
+pub struct Envoy {
+    pub port: u16,
+    pub admin_port: u16,
+    process: Process,
+}
+
+impl Envoy {
+    /// Starts Envoy on a rendered bootstrap and waits for admin `/ready`.
+    pub fn start(config: &Path, listen_port: u16, admin_port: u16, dir: &Path) -> Self {
+        let mut cmd = Command::new(envoy_bin());
+        cmd.arg("-c")
+            .arg(config)
+            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
+            .current_dir(dir);
+        let mut envoy = Self {
+            port: listen_port,
+            admin_port,
+            process: Process::spawn("envoy", &mut cmd, dir.join("envoy.log")),
+        };
+        let a = agent();
+        let url = format!("http://127.0.0.1:{admin_port}/ready");
+        let start = Instant::now();
+        loop {
+            if let Ok(r) = a.get(&url).call() {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            if !envoy.process.is_running() || start.elapsed() > Duration::from_secs(30) {
+                panic!("Envoy did not become ready:\n{}", envoy.process.log_text());
+            }
+            sleep(Duration::from_millis(50));
+        }
+        envoy
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn admin(&self, path: &str) -> String {
+        let mut r = agent()
+            .get(&format!("http://127.0.0.1:{}{path}", self.admin_port))
+            .call()
+            .unwrap_or_else(|e| panic!("admin {path} failed: {e}"));
+        r.body_mut().read_to_string().unwrap_or_default()
+    }
+
+    pub fn log_text(&self) -> String {
+        self.process.log_text()
+    }
+}
+
+/// Engines plus Envoy in front of them; prints Envoy's log when the test fails.
+pub struct Deployment {
+    pub sims: Vec<Sim>,
+    pub envoy: Envoy,
+    pub dir: PathBuf,
+}
+
+impl Deployment {
+    /// Starts the engines, lets `router` build the router configuration from them, renders it,
+    /// lets `adjust` edit the Envoy bootstrap, and starts Envoy.
+    pub fn start_with(
+        name: &str,
+        specs: Vec<SimSpec>,
+        router: impl FnOnce(&[Sim]) -> Value,
+        adjust: impl FnOnce(&mut serde_yaml_ng::Value),
+    ) -> Self {
+        let dir = scratch_dir(name);
+        let sims: Vec<Sim> = specs.into_iter().map(|s| Sim::start(s, &dir)).collect();
+        let router = router(&sims);
+        let (port, admin) = (free_port(), free_port());
+        let rendered = render(&router, &dir, port, admin);
+        let text = fs::read_to_string(&rendered).unwrap_or_default();
+        let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text)
+            .unwrap_or_else(|e| panic!("rendered YAML does not parse: {e}"));
+        adjust(&mut yaml);
+        fs::write(
+            &rendered,
+            serde_yaml_ng::to_string(&yaml).unwrap_or_default(),
+        )
+        .unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
+        let envoy = Envoy::start(&rendered, port, admin, &dir);
+        Self { sims, envoy, dir }
+    }
+
+    pub fn start(name: &str, specs: Vec<SimSpec>, router: impl FnOnce(&[Sim]) -> Value) -> Self {
+        Self::start_with(name, specs, router, |_| {})
+    }
+
+    pub fn sim(&self, id: &str) -> &Sim {
+        self.sims
+            .iter()
+            .find(|s| s.spec.id == id)
+            .unwrap_or_else(|| panic!("no sim {id}"))
+    }
+
+    pub fn chat(&self, body: &Value) -> Reply {
+        self.chat_with_headers(body, &[])
+    }
+
+    pub fn chat_with_headers(&self, body: &Value, headers: &[(&str, &str)]) -> Reply {
+        send(
+            &self.envoy.url("/v1/chat/completions"),
+            "POST",
+            Some(body),
+            headers,
+        )
+    }
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "----- Envoy log ({}) -----\n{}",
+                self.dir.display(),
+                self.envoy.log_text()
+            );
+        }
+    }
+}
+
+/// A finished HTTP exchange.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
+    }
+
+    /// The engine that served, as the simulator reports it.
+    pub fn engine(&self) -> String {
+        self.header("x-sim-engine")
+            .unwrap_or_else(|| {
+                panic!(
+                    "no x-sim-engine header (status {}): {}",
+                    self.status, self.body
+                )
+            })
+            .to_string()
+    }
+}
+
+pub fn send(url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> Reply {
+    let a = agent();
+    let result = match (method, body) {
+        ("GET", _) => {
+            let mut req = a.get(url);
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            req.call()
+        }
+        (_, body) => {
+            let mut req = a.post(url);
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            match body {
+                Some(b) => req
+                    .header("content-type", "application/json")
+                    .send(b.to_string()),
+                None => req.send_empty(),
+            }
+        }
+    };
+    let mut response = result.unwrap_or_else(|e| panic!("{method} {url} failed: {e}"));
+    let status = response.status().as_u16();
+    let headers = response
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                v.to_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    let mut body = String::new();
+    let _ = response.body_mut().as_reader().read_to_string(&mut body);
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// A chat body with `content` as the single user message.
+pub fn chat_body(content: &str, max_tokens: u64, stream: bool) -> Value {
+    json!({
+        "model": "demo-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+/// A plain router configuration over `sims` with one round-robin bucket.
+pub fn plain_router(sims: &[Sim]) -> Value {
+    json!({
+        "workers": sims.iter().map(Sim::worker_json).collect::<Vec<_>>(),
+        "health": {"interval_ms": 200, "timeout_ms": 150, "failure_threshold": 2, "success_threshold": 1},
+        "models": {
+            "demo-model": {
+                "buckets": [{"id": "default", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]
+            }
+        }
+    })
+}
+
+/// Splits an SSE body into its `data:` payloads, in order.
+pub fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not an SSE data event: {e:?}"))
+                .to_string()
+        })
+        .collect()
+}

@@ -1,0 +1,284 @@
+//! `POST /v1/chat/completions`: OpenAI-shaped JSON or SSE, generated token by token at the
+//! configured delay, holding a running slot for the request's whole life.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use crate::control;
+use crate::engine::{Engine, RequestRecord, Role, BYTES_PER_TOKEN};
+use crate::pd;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The most tokens one request may ask the simulator to generate.
+const MAX_GENERATED: u64 = 1_000_000;
+
+fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let message = message.into();
+    (status, Json(json!({"object": "error", "error": {"message": message, "type": kind, "code": status.as_u16()}, "message": message})))
+        .into_response()
+}
+
+fn prompt_tokens(body: &Value) -> u64 {
+    let bytes: u64 = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .map(|messages| {
+            messages
+                .iter()
+                .map(|m| match m.get("content") {
+                    Some(Value::String(s)) => s.len() as u64,
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .map(|t| t.len() as u64)
+                        .sum(),
+                    _ => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0);
+    bytes.div_ceil(BYTES_PER_TOKEN)
+}
+
+pub async fn chat_completions(
+    State(engine): State<Arc<Engine>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let received_ms = Engine::now_unix_ms();
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                format!("invalid JSON body: {e}"),
+            )
+        }
+    };
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let rooms = pd::rooms_of(&body);
+    let bootstrap_host = body
+        .get("bootstrap_host")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let bootstrap_port = body.get("bootstrap_port").and_then(Value::as_u64);
+    engine.record(RequestRecord {
+        path: uri.path().to_string(),
+        stream,
+        bootstrap_room: body.get("bootstrap_room").cloned(),
+        bootstrap_host: bootstrap_host.clone(),
+        bootstrap_port,
+        received_ms,
+        finished_ms: None,
+        status: 0,
+        headers: headers
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+            .collect(),
+    });
+    let response = serve(
+        &engine,
+        body,
+        stream,
+        rooms,
+        bootstrap_host,
+        bootstrap_port,
+        received_ms,
+    )
+    .await;
+    if !stream || !response.status().is_success() {
+        engine.finish_record(received_ms, response.status().as_u16());
+    }
+    response
+}
+
+async fn serve(
+    engine: &Arc<Engine>,
+    body: Value,
+    stream: bool,
+    rooms: Vec<u64>,
+    bootstrap_host: Option<String>,
+    bootstrap_port: Option<u64>,
+    received_ms: u64,
+) -> Response {
+    let fault = engine.control().chat.clone();
+    if let Some(r) = control::apply(fault, "chat").await {
+        return r;
+    }
+    if engine.role != Role::Plain && rooms.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            "Disaggregated request received without bootstrap room id",
+        );
+    }
+    if engine.role == Role::Decode {
+        let (Some(host), Some(port)) = (bootstrap_host, bootstrap_port) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                "Disaggregated request received without bootstrap host and port",
+            );
+        };
+        if let Err(message) = pd::await_prefill(engine, &host, port, &rooms).await {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                message,
+            );
+        }
+    }
+    let prompt = prompt_tokens(&body);
+    let Some(mut slot) = engine.admit(prompt).await else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "engine is shutting down",
+        );
+    };
+    let delay = engine.token_delay();
+    let choices = body
+        .get("n")
+        .and_then(Value::as_u64)
+        .unwrap_or(1)
+        .clamp(1, 128);
+    let budget = body
+        .get("max_completion_tokens")
+        .and_then(Value::as_u64)
+        .or_else(|| body.get("max_tokens").and_then(Value::as_u64));
+
+    // Prefill: one step over the prompt, then the rooms are ready for their decode engines.
+    let prefill_started = Instant::now();
+    tokio::time::sleep(delay).await;
+    engine
+        .prefill_tokens_total
+        .fetch_add(prompt, Ordering::SeqCst);
+    engine.prefill_busy_us_total.fetch_add(
+        u64::try_from(prefill_started.elapsed().as_micros()).unwrap_or(u64::MAX),
+        Ordering::SeqCst,
+    );
+    let tokens = if engine.role == Role::Prefill {
+        for room in &rooms {
+            engine.rooms.finish(*room);
+        }
+        1
+    } else {
+        budget
+            .unwrap_or(engine.args.default_output_tokens)
+            .min(MAX_GENERATED)
+    };
+    let finish_reason = if budget.is_some_and(|b| b <= tokens) {
+        "length"
+    } else {
+        "stop"
+    };
+    let include_usage = body
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let meta = Meta {
+        id: format!(
+            "chatcmpl-sim-{}-{}",
+            engine.id,
+            NEXT_ID.fetch_add(1, Ordering::Relaxed)
+        ),
+        created: Engine::now_unix_ms() / 1000,
+        model: body
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or(&engine.model)
+            .to_string(),
+        engine: engine.id.clone(),
+    };
+    engine.served.fetch_add(1, Ordering::SeqCst);
+
+    if !stream {
+        for _ in 1..tokens {
+            tokio::time::sleep(delay).await;
+            slot.add_kv_token();
+        }
+        drop(slot);
+        let text = token_text(0, tokens);
+        let choices: Vec<Value> = (0..choices)
+            .map(|i| json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}))
+            .collect();
+        return Json(json!({
+            "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "sim_engine": meta.engine, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens * choices.len() as u64, "total_tokens": prompt + tokens * choices.len() as u64},
+        }))
+        .into_response();
+    }
+
+    let engine_for_stream = Arc::clone(engine);
+    let events = async_stream::stream! {
+        let chunk = |choice: u64, delta: Value, finish: Option<&str>| {
+            sse(&json!({
+                "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+                "sim_engine": meta.engine,
+                "choices": [{"index": choice, "delta": delta, "finish_reason": finish}],
+            }))
+        };
+        for c in 0..choices {
+            yield Ok::<Bytes, Infallible>(chunk(c, json!({"role": "assistant", "content": ""}), None));
+        }
+        for t in 0..tokens {
+            if t > 0 {
+                tokio::time::sleep(delay).await;
+                slot.add_kv_token();
+            }
+            for c in 0..choices {
+                yield Ok(chunk(c, json!({"content": token_text(t, t + 1)}), None));
+            }
+        }
+        for c in 0..choices {
+            yield Ok(chunk(c, json!({}), Some(finish_reason)));
+        }
+        if include_usage {
+            yield Ok(sse(&json!({
+                "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+                "sim_engine": meta.engine, "choices": [],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": tokens * choices, "total_tokens": prompt + tokens * choices},
+            })));
+        }
+        yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
+        drop(slot);
+        engine_for_stream.finish_record(received_ms, 200);
+    };
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(events),
+    )
+        .into_response()
+}
+
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    engine: String,
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// Tokens `from..to` of the simulated answer.
+fn token_text(from: u64, to: u64) -> String {
+    (from..to).map(|i| format!("tok{i} ")).collect()
+}

@@ -1,0 +1,235 @@
+//! The engine's state: its identity, the FIFO of request slots that makes running and waiting
+//! counts real, and what the control endpoint has pinned or broken.
+
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::control::Control;
+use crate::pd::Rooms;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Plain,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Plain => "plain",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "sgl-sim", about = "A simulated SGLang engine")]
+pub struct Args {
+    /// Engine id, reported in `x-sim-engine` and in every JSON response.
+    #[arg(long)]
+    pub id: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    #[arg(long)]
+    pub port: u16,
+    #[arg(long, default_value = "demo-model")]
+    pub model: String,
+    #[arg(long, value_enum, default_value_t = Role::Plain)]
+    pub role: Role,
+    /// PD bootstrap port (prefill engines); SGLang's default is 8998.
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
+    /// Delay per generated token, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub token_delay_ms: u64,
+    /// Requests generating at once; beyond it requests wait in a FIFO queue.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Tokens generated when the request sets no output budget.
+    #[arg(long, default_value_t = 16)]
+    pub default_output_tokens: u64,
+    /// KV cache capacity in tokens.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub kv_capacity: u64,
+    /// Data-parallel ranks reported by the load endpoints.
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: u32,
+    /// How long a decode engine waits for its prefill engine to finish a room.
+    #[arg(long, default_value_t = 30_000)]
+    pub bootstrap_timeout_ms: u64,
+}
+
+/// Bytes per simulated token, as the router's default estimator counts.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
+/// What a test can see of the traffic the engine received.
+#[derive(Debug, Clone, Serialize)]
+pub struct RequestRecord {
+    pub path: String,
+    pub stream: bool,
+    pub bootstrap_room: Option<serde_json::Value>,
+    pub bootstrap_host: Option<String>,
+    pub bootstrap_port: Option<u64>,
+    pub received_ms: u64,
+    pub finished_ms: Option<u64>,
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+}
+
+const RECENT_REQUESTS: usize = 256;
+
+pub struct Engine {
+    pub id: String,
+    pub model: String,
+    pub role: Role,
+    pub args: Args,
+    slots: Arc<Semaphore>,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub kv_used: AtomicU64,
+    pub waiting_prompt_tokens: AtomicU64,
+    pub served: AtomicU64,
+    pub prefill_tokens_total: AtomicU64,
+    pub prefill_busy_us_total: AtomicU64,
+    pub control: Mutex<Control>,
+    pub rooms: Rooms,
+    pub recent: Mutex<Vec<RequestRecord>>,
+    pub client: reqwest::Client,
+}
+
+impl Engine {
+    pub fn new(args: &Args) -> Self {
+        let bootstrap_port = match args.role {
+            Role::Prefill => Some(args.bootstrap_port.unwrap_or(8998)),
+            _ => args.bootstrap_port,
+        };
+        let mut args = args.clone();
+        args.bootstrap_port = bootstrap_port;
+        Self {
+            id: args.id.clone(),
+            model: args.model.clone(),
+            role: args.role,
+            slots: Arc::new(Semaphore::new(args.max_running.max(1))),
+            running: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            kv_used: AtomicU64::new(0),
+            waiting_prompt_tokens: AtomicU64::new(0),
+            served: AtomicU64::new(0),
+            prefill_tokens_total: AtomicU64::new(0),
+            prefill_busy_us_total: AtomicU64::new(0),
+            control: Mutex::new(Control::new(args.token_delay_ms)),
+            rooms: Rooms::default(),
+            recent: Mutex::new(Vec::new()),
+            client: reqwest::Client::new(),
+            args,
+        }
+    }
+
+    pub fn bootstrap_port(&self) -> Option<u16> {
+        self.args.bootstrap_port
+    }
+
+    pub fn control(&self) -> MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn now_unix_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+
+    /// Waits in FIFO order for a running slot. The returned guard keeps the counts true however
+    /// the request ends (completed, failed, or dropped when the client goes away).
+    pub async fn admit(self: &Arc<Self>, prompt_tokens: u64) -> Option<RunningGuard> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.waiting_prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::SeqCst);
+        let waiting = WaitingGuard {
+            engine: Arc::clone(self),
+            prompt_tokens,
+        };
+        let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
+        drop(waiting);
+        self.running.fetch_add(1, Ordering::SeqCst);
+        self.kv_used.fetch_add(prompt_tokens, Ordering::SeqCst);
+        Some(RunningGuard {
+            engine: Arc::clone(self),
+            _permit: permit,
+            kv_tokens: prompt_tokens,
+        })
+    }
+
+    pub fn record(&self, record: RequestRecord) -> usize {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if recent.len() >= RECENT_REQUESTS {
+            recent.remove(0);
+        }
+        recent.push(record);
+        recent.len() - 1
+    }
+
+    /// Marks the newest record matching `received_ms` and path as finished.
+    pub fn finish_record(&self, received_ms: u64, status: u16) {
+        let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = recent
+            .iter_mut()
+            .rev()
+            .find(|r| r.received_ms == received_ms && r.finished_ms.is_none())
+        {
+            r.finished_ms = Some(Self::now_unix_ms());
+            r.status = status;
+        }
+    }
+
+    pub fn token_delay(&self) -> Duration {
+        Duration::from_millis(self.control().token_delay_ms)
+    }
+}
+
+struct WaitingGuard {
+    engine: Arc<Engine>,
+    prompt_tokens: u64,
+}
+
+impl Drop for WaitingGuard {
+    fn drop(&mut self) {
+        self.engine.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.engine
+            .waiting_prompt_tokens
+            .fetch_sub(self.prompt_tokens, Ordering::SeqCst);
+    }
+}
+
+pub struct RunningGuard {
+    engine: Arc<Engine>,
+    _permit: OwnedSemaphorePermit,
+    kv_tokens: u64,
+}
+
+impl RunningGuard {
+    /// A generated token occupies KV cache until the request ends.
+    pub fn add_kv_token(&mut self) {
+        self.kv_tokens += 1;
+        self.engine.kv_used.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.engine.running.fetch_sub(1, Ordering::SeqCst);
+        self.engine
+            .kv_used
+            .fetch_sub(self.kv_tokens, Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,84 @@
+//! sgl-sim: one simulated SGLang engine per process. It serves the engine API the router talks to
+//! (chat completions, load, health, server info) with real running/waiting counts, plus a control
+//! endpoint that lets a test pin load or inject faults.
+
+mod chat;
+mod control;
+mod engine;
+mod info;
+mod loads;
+mod pd;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::HeaderValue;
+use axum::routing::{get, post};
+use axum::Router;
+use clap::Parser;
+
+use crate::engine::{Args, Engine};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> std::io::Result<()> {
+    let args = Args::parse();
+    let engine = Arc::new(Engine::new(&args));
+    let engine_id =
+        HeaderValue::from_str(&args.id).unwrap_or(HeaderValue::from_static("invalid-id"));
+
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/generate", post(chat::chat_completions))
+        .route("/v1/loads", get(loads::v1_loads))
+        .route("/get_load", get(loads::get_load))
+        .route("/metrics", get(loads::metrics))
+        .route("/health", get(info::health))
+        .route("/health_generate", get(info::health))
+        .route("/server_info", get(info::server_info))
+        .route("/get_server_info", get(info::server_info))
+        .route("/model_info", get(info::model_info))
+        .route("/get_model_info", get(info::model_info))
+        .route("/v1/models", get(info::models))
+        .route(
+            "/flush_cache",
+            post(info::flush_cache).get(info::flush_cache),
+        )
+        .route("/sim/control", post(control::update))
+        .route("/sim/state", get(control::state))
+        .layer(axum::middleware::map_response(
+            move |mut response: axum::response::Response| {
+                let id = engine_id.clone();
+                async move {
+                    response.headers_mut().insert("x-sim-engine", id);
+                    response
+                }
+            },
+        ))
+        .with_state(Arc::clone(&engine));
+
+    if let Some(port) = engine.bootstrap_port() {
+        let addr = SocketAddr::new(args.host, port);
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let bootstrap = pd::bootstrap_router(Arc::clone(&engine));
+        let id = args.id.clone();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, bootstrap).await {
+                eprintln!("sgl-sim {id}: bootstrap server stopped: {e}");
+            }
+        });
+    }
+
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    eprintln!(
+        "sgl-sim {} ({}, model {}) listening on {addr}",
+        args.id,
+        args.role.as_str(),
+        args.model
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+}
