@@ -1,0 +1,244 @@
+//! The simulator on its own: PD rooms, load reporting and fault injection, talked to directly.
+
+#![cfg(not(target_arch = "wasm32"))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn post(sim: &Sim, body: &Value) -> Reply {
+    send(&sim.url("/v1/chat/completions"), "POST", Some(body), &[])
+}
+
+fn pd_body(prefill: &Sim, room: u64, stream: bool) -> Value {
+    let mut b = chat_body("pd request", 4, stream);
+    b["bootstrap_host"] = json!("127.0.0.1");
+    b["bootstrap_port"] = json!(prefill.bootstrap_port.unwrap());
+    b["bootstrap_room"] = json!(room);
+    b
+}
+
+#[test]
+fn decode_without_a_bootstrap_room_is_rejected_as_sglang_does() {
+    let dir = scratch_dir("sim_no_room");
+    let decode = Sim::start(SimSpec::decode("D"), &dir);
+    let r = post(&decode, &chat_body("x", 2, false));
+    assert_eq!(r.status, 400);
+    assert!(
+        r.body
+            .contains("Disaggregated request received without bootstrap room id"),
+        "{}",
+        r.body
+    );
+    assert_eq!(r.engine(), "D");
+}
+
+#[test]
+fn decode_answers_only_after_its_prefill_finished_the_room() {
+    let dir = scratch_dir("sim_pd_order");
+    let prefill = Sim::start(SimSpec::prefill("P"), &dir);
+    let decode = Sim::start(SimSpec::decode("D"), &dir);
+    let body = pd_body(&prefill, 42, true);
+    let decode_url = decode.url("/v1/chat/completions");
+    let decode_body = body.clone();
+    let waiting = std::thread::spawn(move || {
+        let r = send(&decode_url, "POST", Some(&decode_body), &[]);
+        (r, Instant::now())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !waiting.is_finished(),
+        "decode answered before the prefill ran"
+    );
+    let prefilled_at = Instant::now();
+    let p = post(&prefill, &body);
+    assert_eq!(p.status, 200, "{}", p.body);
+    let (d, answered_at) = waiting.join().unwrap();
+    assert_eq!(d.status, 200, "{}", d.body);
+    assert!(answered_at >= prefilled_at);
+    assert_eq!(
+        sse_events(&d.body).last().map(String::as_str),
+        Some("[DONE]")
+    );
+    assert_eq!(prefill.state()["rooms_finished"], 1);
+}
+
+#[test]
+fn a_wrong_room_fails_the_decode_after_its_timeout() {
+    let dir = scratch_dir("sim_wrong_room");
+    let prefill = Sim::start(SimSpec::prefill("P"), &dir);
+    let mut spec = SimSpec::decode("D");
+    spec.bootstrap_timeout_ms = 300;
+    let decode = Sim::start(spec, &dir);
+    post(&prefill, &pd_body(&prefill, 1, false));
+    let r = post(&decode, &pd_body(&prefill, 2, false));
+    assert_eq!(r.status, 500);
+    assert!(r.body.contains("room 2"), "{}", r.body);
+    // A port nobody listens on: a clear error, not a hang.
+    let mut body = pd_body(&prefill, 1, false);
+    body["bootstrap_port"] = json!(free_port());
+    let r = post(&decode, &body);
+    assert_eq!(r.status, 500);
+    assert!(r.body.contains("unreachable"), "{}", r.body);
+}
+
+#[test]
+fn n_greater_than_one_waits_for_every_room() {
+    let dir = scratch_dir("sim_rooms_n");
+    let prefill = Sim::start(SimSpec::prefill("P"), &dir);
+    let mut spec = SimSpec::decode("D");
+    spec.bootstrap_timeout_ms = 300;
+    let decode = Sim::start(spec, &dir);
+    let mut body = pd_body(&prefill, 0, false);
+    body["bootstrap_room"] = json!([7, 8]);
+    body["n"] = json!(2);
+    let mut only_seven = body.clone();
+    only_seven["bootstrap_room"] = json!([7]);
+    post(&prefill, &only_seven);
+    assert_eq!(
+        post(&decode, &body).status,
+        500,
+        "room 8 was never prefilled"
+    );
+    post(&prefill, &body);
+    let r = post(&decode, &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"].as_array().map(Vec::len), Some(2));
+}
+
+#[test]
+fn reported_counts_are_the_real_requests_and_pins_override_them() {
+    let dir = scratch_dir("sim_loads");
+    let mut spec = SimSpec::plain("A");
+    spec.max_running = 1;
+    spec.token_delay_ms = 200;
+    let sim = Sim::start(spec, &dir);
+    let url = sim.url("/v1/chat/completions");
+    let threads: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                send(&url, "POST", Some(&chat_body("abcdabcd", 5, false)), &[])
+            })
+        })
+        .collect();
+    let loads = wait_for("one running, two waiting", Duration::from_secs(5), || {
+        let v = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
+        let l = v["loads"][0].clone();
+        (l["num_running_reqs"] == 1 && l["num_waiting_reqs"] == 2).then_some(l)
+    });
+    assert_eq!(
+        loads["num_waiting_uncached_tokens"], 4,
+        "two waiting prompts of 2 tokens"
+    );
+    let basic = send(&sim.url("/get_load"), "GET", None, &[]).json();
+    assert_eq!(
+        (
+            basic[0]["num_reqs"].as_u64(),
+            basic[0]["num_waiting_reqs"].as_u64()
+        ),
+        (Some(1), Some(2))
+    );
+    for t in threads {
+        assert_eq!(t.join().unwrap().status, 200);
+    }
+    let idle = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
+    assert_eq!(
+        (
+            idle["loads"][0]["num_running_reqs"].as_u64(),
+            idle["loads"][0]["num_used_tokens"].as_u64()
+        ),
+        (Some(0), Some(0))
+    );
+
+    sim.control(json!({"pin": {"running": 7, "waiting": 9, "kv_tokens": 1234}}));
+    let pinned = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
+    assert_eq!(pinned["loads"][0]["num_running_reqs"], 7);
+    assert_eq!(pinned["loads"][0]["num_waiting_reqs"], 9);
+    assert_eq!(pinned["loads"][0]["num_used_tokens"], 1234);
+    let metrics = send(&sim.url("/metrics"), "GET", None, &[]).body;
+    assert!(
+        metrics.contains("sglang:num_running_reqs{") && metrics.contains("} 7\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("sglang:num_queue_reqs{"), "{metrics}");
+    sim.control(json!({"pin": null}));
+    let unpinned = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
+    assert_eq!(unpinned["loads"][0]["num_running_reqs"], 0);
+}
+
+#[test]
+fn ranks_add_up_to_the_engine_totals() {
+    let dir = scratch_dir("sim_ranks");
+    let mut spec = SimSpec::plain("A");
+    spec.dp_size = 2;
+    let sim = Sim::start(spec, &dir);
+    sim.control(json!({"pin": {"running": 3, "waiting": 1}}));
+    let v = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
+    let loads = v["loads"].as_array().unwrap();
+    assert_eq!(loads.len(), 2);
+    let running: u64 = loads
+        .iter()
+        .map(|l| l["num_running_reqs"].as_u64().unwrap())
+        .sum();
+    assert_eq!(running, 3);
+    assert_eq!(loads[1]["dp_rank"], 1);
+}
+
+#[test]
+fn health_load_and_chat_faults_are_separate() {
+    let dir = scratch_dir("sim_faults");
+    let sim = Sim::start(SimSpec::plain("A"), &dir);
+    sim.control(json!({"loads": {"status": 500}}));
+    assert_eq!(send(&sim.url("/v1/loads"), "GET", None, &[]).status, 500);
+    assert_eq!(send(&sim.url("/get_load"), "GET", None, &[]).status, 500);
+    assert_eq!(send(&sim.url("/metrics"), "GET", None, &[]).status, 500);
+    assert_eq!(send(&sim.url("/health"), "GET", None, &[]).status, 200);
+    assert_eq!(post(&sim, &chat_body("x", 1, false)).status, 200);
+
+    sim.control(json!({"reset": true, "chat": {"status": 503}}));
+    assert_eq!(post(&sim, &chat_body("x", 1, false)).status, 503);
+    assert_eq!(send(&sim.url("/v1/loads"), "GET", None, &[]).status, 200);
+
+    sim.control(json!({"reset": true, "health": {"delay_ms": 300}}));
+    let started = Instant::now();
+    assert_eq!(send(&sim.url("/health"), "GET", None, &[]).status, 200);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+
+    sim.control(json!({"reset": true, "health": {"hang": true}}));
+    let hung = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_millis(500)))
+        .build()
+        .new_agent()
+        .get(&sim.url("/health"))
+        .call();
+    assert!(hung.is_err(), "a hanging health endpoint never answers");
+}
+
+#[test]
+fn registration_endpoints_describe_the_engine() {
+    let dir = scratch_dir("sim_info");
+    let sim = Sim::start(SimSpec::prefill("P").model("m1"), &dir);
+    let info = send(&sim.url("/get_server_info"), "GET", None, &[]).json();
+    assert_eq!(info["disaggregation_mode"], "prefill");
+    assert_eq!(
+        info["disaggregation_bootstrap_port"],
+        json!(sim.bootstrap_port)
+    );
+    assert_eq!(
+        send(&sim.url("/get_model_info"), "GET", None, &[]).json()["model_path"],
+        "m1"
+    );
+    assert_eq!(
+        send(&sim.url("/v1/models"), "GET", None, &[]).json()["data"][0]["id"],
+        "m1"
+    );
+    assert_eq!(
+        send(&sim.url("/health_generate"), "GET", None, &[]).status,
+        200
+    );
+}
