@@ -3,6 +3,7 @@
 //! Everything outside `proxy/` is pure Rust behind the [`host::Host`] trait and runs natively and
 //! under Node's WASI in unit tests; `proxy/` is the thin proxy-wasm glue.
 
+pub mod buckets;
 pub mod config;
 pub mod host;
 pub mod policies;

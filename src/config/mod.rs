@@ -2,6 +2,7 @@
 //! The filter, the service and the CLI all go through [`parse_and_validate`].
 
 mod dropped;
+pub mod factory;
 mod types;
 mod validate;
 

@@ -21,7 +21,7 @@ pub struct SharedValue {
     pub cas: u32,
 }
 
-pub trait Host: Send + Sync {
+pub trait Host: Send + Sync + std::fmt::Debug {
     /// `Ok(None)` when the key was never written (or was written empty).
     fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError>;
     /// With `cas`, fails with [`HostError::CasMismatch`] when the key changed since that read. An

@@ -1,20 +1,33 @@
 //! The policy contract (design §4): one asynchronous, object-safe `pick` over an exact candidate
-//! set. Local policies return a ready future; the filter polls a pending one from its callouts.
+//! set. Policies own their state handles; requests carry only facts. Local policies return a
+//! ready future; the filter polls a pending one again from its callouts.
 
+pub mod admission;
+mod least_load;
+mod power_of_two;
+pub mod pressure;
+mod random;
 mod round_robin;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-pub use round_robin::{RoundRobinCursor, RoundRobinPolicy, SharedCursor};
+pub use admission::{Admission, AdmissionError, EngineAdmission, EngineMetrics, Limit};
+pub use least_load::LeastLoadPolicy;
+pub use power_of_two::PowerOfTwoPolicy;
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+pub use random::RandomPolicy;
+pub use round_robin::{MemoryCursor, RoundRobinCursor, RoundRobinPolicy, SharedCursor};
 
 use crate::config::Role;
+use crate::host::Host;
 use crate::registry::Worker;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// Facts of one group call. No body, no state handles, no observations.
+/// Facts of one group call: no body, no state handles, no observations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PickRequest<'a> {
     pub model: &'a str,
@@ -22,6 +35,7 @@ pub struct PickRequest<'a> {
     pub bucket_id: &'a str,
     pub input_tokens: u64,
     pub expected_peak_tokens: Option<u64>,
+    pub token_ids: Option<&'a [u32]>,
     pub session_key: Option<&'a str>,
     pub routing_key: Option<&'a str>,
 }
@@ -30,28 +44,72 @@ pub struct PickRequest<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PickReason {
     Rotation,
+    Random,
+    SingleCandidate,
+    LowerPressure,
+    /// Both sampled engines reported the same pressure; router-local in-flight decided.
+    InflightTieBreak,
+    /// A complete tie keeps the first sampled engine.
+    FirstSampled,
+    /// At least one sampled engine had no fresh native report; router-local counts decided.
+    RouterLocalLoad,
+    LeastLoad,
 }
 
 impl PickReason {
     pub fn as_str(self) -> &'static str {
         match self {
             PickReason::Rotation => "rotation",
+            PickReason::Random => "random",
+            PickReason::SingleCandidate => "single_candidate",
+            PickReason::LowerPressure => "lower_pressure",
+            PickReason::InflightTieBreak => "inflight_tie_break",
+            PickReason::FirstSampled => "first_sampled",
+            PickReason::RouterLocalLoad => "router_local_load",
+            PickReason::LeastLoad => "least_load",
         }
     }
 }
 
+/// One engine from the supplied set that passed admission.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pick {
     pub worker: Arc<Worker>,
     pub reason: PickReason,
 }
 
+/// An engine turned away by an admission cap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub worker: String,
+    pub limit: Limit,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PickError {
-    #[error("no candidates")]
-    NoCandidates,
+    /// No eligible member, or a policy selection miss.
+    #[error("no candidates: {reason}")]
+    NoCandidates { reason: String },
+    /// The policy tried every candidate; each was rejected.
+    #[error("no admissible engine ({} rejected)", .rejections.len())]
+    NoAdmissibleEngine { rejections: Vec<Rejection> },
+    /// The chosen engine failed after-selection admission.
+    #[error("{} rejected by {}", .0.worker, .0.limit.as_str())]
+    AdmissionRejected(Rejection),
+    #[error("invalid signal: {0}")]
+    InvalidSignal(String),
     #[error("invalid configuration: {0}")]
     InvalidConfiguration(String),
+    #[error("policy returned `{worker}`, which is not one of its candidates")]
+    OutsideCandidates { worker: String },
+}
+
+impl PickError {
+    pub fn no_candidates(reason: impl Into<String>) -> Self {
+        PickError::NoCandidates {
+            reason: reason.into(),
+        }
+    }
 }
 
 pub trait Policy: Send + Sync + std::fmt::Debug {
@@ -61,3 +119,53 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
         request: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>>;
 }
+
+/// Runs a nested fallback policy; it reads its own state.
+pub fn pick_fallback<'a>(
+    fallback: &'a dyn Policy,
+    engines: &'a [Arc<Worker>],
+    request: &'a PickRequest<'a>,
+) -> BoxFuture<'a, Result<Pick, PickError>> {
+    fallback.pick(engines, request)
+}
+
+/// A ready future, for policies whose answer needs no I/O.
+pub(crate) fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
+    Box::pin(std::future::ready(value))
+}
+
+/// Where policies draw randomness from.
+pub trait RandomSource: Send + Sync + std::fmt::Debug {
+    fn next_u64(&self) -> u64;
+
+    /// Uniform in `0..n` (`n > 0`), by multiply-shift so small ranges are not skewed by modulo.
+    fn below(&self, n: usize) -> usize {
+        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+}
+
+/// A small seeded PRNG; tests pin its seed, the filter seeds it from the host.
+#[derive(Debug)]
+pub struct SeededRandom(Mutex<Xoshiro256PlusPlus>);
+
+impl SeededRandom {
+    pub fn new(seed: u64) -> Self {
+        Self(Mutex::new(Xoshiro256PlusPlus::seed_from_u64(seed)))
+    }
+
+    pub fn from_host(host: &dyn Host) -> Self {
+        Self::new(host.random_u64())
+    }
+}
+
+impl RandomSource for SeededRandom {
+    fn next_u64(&self) -> u64 {
+        match self.0.lock() {
+            Ok(mut rng) => rng.next_u64(),
+            Err(poisoned) => poisoned.into_inner().next_u64(),
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing;

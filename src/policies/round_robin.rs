@@ -1,9 +1,12 @@
 //! Rotation over the candidates with one cursor per policy instance. The instance is logical and
-//! spans every worker VM, so its cursor lives behind a trait the application backs with shared data.
+//! spans every worker VM, so its cursor sits behind a trait the application backs with shared
+//! data. The rotated-to engine is checked once; a rejection ends the attempt.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
+use super::admission::AdmissionGate;
+use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
 use crate::host::Host;
 use crate::registry::Worker;
 use crate::state::{keys, shared};
@@ -38,21 +41,32 @@ impl std::fmt::Debug for SharedCursor {
 
 impl RoundRobinCursor for SharedCursor {
     fn next_ticket(&self) -> u64 {
-        // Under contention past the retry bound, a random ticket keeps traffic spread rather than
-        // piling onto the first candidate.
+        // Past the cas retry bound, a random ticket keeps traffic spread instead of piling onto
+        // the first candidate.
         shared::fetch_add(self.host.as_ref(), &self.key, 1)
             .unwrap_or_else(|_| self.host.random_u64())
+    }
+}
+
+/// A process-local cursor, for tests.
+#[derive(Debug, Default)]
+pub struct MemoryCursor(AtomicU64);
+
+impl RoundRobinCursor for MemoryCursor {
+    fn next_ticket(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::SeqCst)
     }
 }
 
 #[derive(Debug)]
 pub struct RoundRobinPolicy {
     cursor: Box<dyn RoundRobinCursor>,
+    gate: AdmissionGate,
 }
 
 impl RoundRobinPolicy {
-    pub fn new(cursor: Box<dyn RoundRobinCursor>) -> Self {
-        Self { cursor }
+    pub fn new(cursor: Box<dyn RoundRobinCursor>, gate: AdmissionGate) -> Self {
+        Self { cursor, gate }
     }
 }
 
@@ -62,19 +76,111 @@ impl Policy for RoundRobinPolicy {
         engines: &'a [Arc<Worker>],
         _request: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        let result = if engines.is_empty() {
-            Err(PickError::NoCandidates)
-        } else {
-            let len = engines.len() as u64;
-            let index = (self.cursor.next_ticket() % len) as usize;
-            engines
+        ready((|| {
+            if engines.is_empty() {
+                return Err(PickError::no_candidates("round_robin has no candidates"));
+            }
+            let index = (self.cursor.next_ticket() % engines.len() as u64) as usize;
+            let worker = engines
                 .get(index)
-                .map(|w| Pick {
-                    worker: Arc::clone(w),
-                    reason: PickReason::Rotation,
-                })
-                .ok_or(PickError::NoCandidates)
-        };
-        Box::pin(std::future::ready(result))
+                .ok_or_else(|| PickError::no_candidates("cursor out of range"))?;
+            self.gate.check(worker)?;
+            Ok(Pick {
+                worker: Arc::clone(worker),
+                reason: PickReason::Rotation,
+            })
+        })())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AdmissionLimits, Role};
+    use crate::host::MemoryHost;
+    use crate::policies::testing::*;
+    use crate::policies::{Limit, Rejection};
+
+    #[test]
+    fn rotates_over_the_candidates_in_order() {
+        let s = State::new();
+        let p = RoundRobinPolicy::new(
+            Box::new(MemoryCursor::default()),
+            s.gate(AdmissionLimits::default()),
+        );
+        let ws = workers(&["A", "B", "C"]);
+        let r = request(Role::Plain);
+        let ids: Vec<String> = (0..6)
+            .map(|_| now(p.pick(&ws, &r)).unwrap().worker.id.clone())
+            .collect();
+        assert_eq!(ids, ["A", "B", "C", "A", "B", "C"]);
+    }
+
+    #[test]
+    fn one_cursor_per_instance_shared_through_shared_data() {
+        // Two VMs' instances of the same logical policy share one cursor.
+        let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let s = State::new();
+        let vm1 = RoundRobinPolicy::new(
+            Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain")),
+            s.gate(AdmissionLimits::default()),
+        );
+        let vm2 = RoundRobinPolicy::new(
+            Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain")),
+            s.gate(AdmissionLimits::default()),
+        );
+        let other = RoundRobinPolicy::new(
+            Box::new(SharedCursor::new(host, "m/b2/plain")),
+            s.gate(AdmissionLimits::default()),
+        );
+        let ws = workers(&["A", "B"]);
+        let r = request(Role::Plain);
+        assert_eq!(now(vm1.pick(&ws, &r)).unwrap().worker.id, "A");
+        assert_eq!(now(vm2.pick(&ws, &r)).unwrap().worker.id, "B");
+        assert_eq!(
+            now(other.pick(&ws, &r)).unwrap().worker.id,
+            "A",
+            "another instance has its own cursor"
+        );
+        assert_eq!(now(vm1.pick(&ws, &r)).unwrap().worker.id, "A");
+    }
+
+    #[test]
+    fn no_candidates_is_not_an_admission_outcome() {
+        let s = State::new();
+        let p = RoundRobinPolicy::new(
+            Box::new(MemoryCursor::default()),
+            s.gate(AdmissionLimits::default()),
+        );
+        assert!(matches!(
+            now(p.pick(&[], &request(Role::Plain))),
+            Err(PickError::NoCandidates { .. })
+        ));
+    }
+
+    #[test]
+    fn the_rotated_to_engine_is_checked_and_a_rejection_ends_the_attempt() {
+        let s = State::new();
+        s.inflight.set("A", 1);
+        let p = RoundRobinPolicy::new(
+            Box::new(MemoryCursor::default()),
+            s.gate(AdmissionLimits {
+                max_inflight_requests: Some(1),
+                ..Default::default()
+            }),
+        );
+        let ws = workers(&["A", "B"]);
+        let err = now(p.pick(&ws, &request(Role::Plain))).unwrap_err();
+        assert_eq!(
+            err,
+            PickError::AdmissionRejected(Rejection {
+                worker: "A".into(),
+                limit: Limit::MaxInflightRequests
+            })
+        );
+        assert_eq!(
+            now(p.pick(&ws, &request(Role::Plain))).unwrap().worker.id,
+            "B"
+        );
     }
 }

@@ -12,7 +12,11 @@ use super::filter::Filter;
 use super::host::ProxyHost;
 use super::service::Service;
 use crate::config;
+use crate::config::factory::StateHandles;
+use crate::host::Host;
+use crate::policies::SeededRandom;
 use crate::server::AppContext;
+use crate::state::load_monitor::{SharedInflight, SharedLoadView};
 
 pub const FILTER_ROOT_ID: &str = "sgl_router";
 pub const SERVICE_ROOT_ID: &str = "sgl_router_service";
@@ -61,11 +65,28 @@ impl RootContext for Root {
         let id = root_id();
         match id.as_str() {
             FILTER_ROOT_ID => {
-                self.filter = Some(Rc::new(RefCell::new(AppContext::new(
-                    parsed,
-                    Arc::new(ProxyHost),
-                ))));
-                true
+                let host: Arc<dyn Host> = Arc::new(ProxyHost);
+                let handles = StateHandles {
+                    load: Arc::new(SharedLoadView::new(
+                        Arc::clone(&host),
+                        parsed.load.stale_after_ms,
+                    )),
+                    inflight: Arc::new(SharedInflight::new(Arc::clone(&host))),
+                    random: Arc::new(SeededRandom::from_host(host.as_ref())),
+                    host,
+                };
+                match AppContext::new(parsed, handles) {
+                    Ok(app) => {
+                        self.filter = Some(Rc::new(RefCell::new(app)));
+                        true
+                    }
+                    Err(errors) => {
+                        for e in &errors.0 {
+                            log::error!("sgl-envoy-router configuration rejected: {e}");
+                        }
+                        false
+                    }
+                }
             }
             SERVICE_ROOT_ID => {
                 let service = Service::new(parsed);

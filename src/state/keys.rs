@@ -8,6 +8,14 @@ pub fn round_robin_cursor(instance: &str) -> String {
     format!("sgl.rr.{instance}")
 }
 
+/// In-flight and dispatched-total counters of one worker.
+pub fn inflight(worker: &str) -> String {
+    format!("sgl.inflight.{worker}")
+}
+
+/// The reported-load table the service publishes.
+pub const LOAD_TABLE: &str = "sgl.load";
+
 /// The small key beside a large table whose change tells readers to decode the table again.
 pub fn version_of(table: &str) -> String {
     format!("{table}.version")

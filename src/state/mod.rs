@@ -2,4 +2,5 @@
 
 pub mod health;
 pub mod keys;
+pub mod load_monitor;
 pub mod shared;

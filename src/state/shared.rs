@@ -42,20 +42,32 @@ impl<T: DeserializeOwned> VersionedReader<T> {
         }
     }
 
-    /// The current table, or `None` before the first publication. A table that fails to decode
-    /// keeps the previous copy: a reader never acts on half-understood data.
-    pub fn current(&mut self, host: &dyn Host) -> Option<&T> {
+    /// Reads the version and decodes the table if it moved; returns whether it did. A table that
+    /// fails to decode keeps the previous copy: a reader never acts on half-understood data.
+    pub fn refresh(&mut self, host: &dyn Host) -> bool {
         if let Ok(Some(version)) = read_u64(host, &self.version_key) {
             if self.seen != Some(version) {
                 if let Ok(Some(raw)) = host.shared_get(&self.table) {
                     if let Ok(decoded) = serde_json::from_slice(&raw.bytes) {
                         self.value = Some(decoded);
                         self.seen = Some(version);
+                        return true;
                     }
                 }
             }
         }
+        false
+    }
+
+    /// The last decoded table, or `None` before the first publication.
+    pub fn value(&self) -> Option<&T> {
         self.value.as_ref()
+    }
+
+    /// [`Self::refresh`], then [`Self::value`].
+    pub fn current(&mut self, host: &dyn Host) -> Option<&T> {
+        self.refresh(host);
+        self.value()
     }
 
     pub fn version(&self) -> Option<u64> {
@@ -67,26 +79,30 @@ pub fn read_u64(host: &dyn Host, key: &str) -> Result<Option<u64>, HostError> {
     Ok(host.shared_get(key)?.and_then(|v| decode_u64(&v.bytes)))
 }
 
-fn decode_u64(bytes: &[u8]) -> Option<u64> {
+pub fn decode_u64(bytes: &[u8]) -> Option<u64> {
     let array: [u8; 8] = bytes.try_into().ok()?;
     Some(u64::from_le_bytes(array))
 }
 
-/// Adds `delta` to a shared counter and returns the value before the addition. Every VM may call
-/// it concurrently; cas makes sure no update is lost.
-pub fn fetch_add(host: &dyn Host, key: &str, delta: u64) -> Result<u64, HostError> {
+/// Applies `change` to a shared value with cas until it sticks and returns what `change` returned.
+/// An absent key is first seeded with `seed`. Every VM may call it concurrently; no update is lost.
+pub fn update<R>(
+    host: &dyn Host,
+    key: &str,
+    seed: &[u8],
+    mut change: impl FnMut(&[u8]) -> (Vec<u8>, R),
+) -> Result<R, HostError> {
     for _ in 0..CAS_RETRIES {
         match host.shared_get(key)? {
             None => {
-                // Racing first writers may both write zero; neither loses an increment, because
-                // increments only ever happen through cas below.
-                host.shared_set(key, &0u64.to_le_bytes(), None)?;
+                // Racing first writers may both seed the key; neither loses an update, because
+                // updates only ever happen through cas below.
+                host.shared_set(key, seed, None)?;
             }
             Some(current) => {
-                let value = decode_u64(&current.bytes).unwrap_or(0);
-                let next = value.wrapping_add(delta);
-                match host.shared_set(key, &next.to_le_bytes(), Some(current.cas)) {
-                    Ok(()) => return Ok(value),
+                let (next, result) = change(&current.bytes);
+                match host.shared_set(key, &next, Some(current.cas)) {
+                    Ok(()) => return Ok(result),
                     Err(HostError::CasMismatch) => continue,
                     Err(e) => return Err(e),
                 }
@@ -96,6 +112,14 @@ pub fn fetch_add(host: &dyn Host, key: &str, delta: u64) -> Result<u64, HostErro
     Err(HostError::Failed(format!(
         "`{key}` stayed contended for {CAS_RETRIES} cas attempts"
     )))
+}
+
+/// Adds `delta` to a shared counter and returns the value before the addition.
+pub fn fetch_add(host: &dyn Host, key: &str, delta: u64) -> Result<u64, HostError> {
+    update(host, key, &0u64.to_le_bytes(), |bytes| {
+        let value = decode_u64(bytes).unwrap_or(0);
+        (value.wrapping_add(delta).to_le_bytes().to_vec(), value)
+    })
 }
 
 #[cfg(test)]

@@ -161,4 +161,5 @@ fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteError> {
 }
 
 #[cfg(test)]
+#[path = "prepare_tests.rs"]
 mod tests;

@@ -1,0 +1,196 @@
+//! Least load (`load_based`, spec §6): load = reported running + waiting plus the dispatches made
+//! since that report; without a fresh report, router-local in-flight alone. Ties by in-flight,
+//! then id. Engines are checked in load order; the first admitted wins, and when every one is
+//! rejected the outcome lists them all.
+
+use std::sync::Arc;
+
+use super::admission::AdmissionGate;
+use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
+use crate::registry::Worker;
+
+#[derive(Debug)]
+pub struct LeastLoadPolicy {
+    gate: AdmissionGate,
+}
+
+impl LeastLoadPolicy {
+    pub fn new(gate: AdmissionGate) -> Self {
+        Self { gate }
+    }
+
+    fn choose(&self, engines: &[Arc<Worker>]) -> Result<Pick, PickError> {
+        if engines.is_empty() {
+            return Err(PickError::no_candidates("load_based has no candidates"));
+        }
+        let snapshot = self.gate.load.snapshot();
+        let inflight = &self.gate.inflight;
+        let mut ranked: Vec<(u64, u64, &Arc<Worker>)> = engines
+            .iter()
+            .map(|w| {
+                let local = inflight.inflight(&w.id);
+                let load = match snapshot.get(&w.id) {
+                    Some(report) => match (report.running, report.waiting) {
+                        (Some(r), Some(q)) => {
+                            let since = inflight
+                                .dispatched_total(&w.id)
+                                .saturating_sub(report.dispatches_at_report);
+                            r.saturating_add(q).saturating_add(since)
+                        }
+                        _ => local,
+                    },
+                    None => local,
+                };
+                (load, local, w)
+            })
+            .collect();
+        // Candidates arrive sorted by id, and the sort is stable: ties end on id order.
+        ranked.sort_by_key(|(load, local, _)| (*load, *local));
+        let mut rejections = Vec::new();
+        for (_, _, worker) in ranked {
+            match self.gate.check_with(worker, snapshot.get(&worker.id)) {
+                Ok(()) => {
+                    return Ok(Pick {
+                        worker: Arc::clone(worker),
+                        reason: PickReason::LeastLoad,
+                    })
+                }
+                Err(PickError::AdmissionRejected(r)) => rejections.push(r),
+                Err(other) => return Err(other),
+            }
+        }
+        Err(PickError::NoAdmissibleEngine { rejections })
+    }
+}
+
+impl Policy for LeastLoadPolicy {
+    fn pick<'a>(
+        &'a self,
+        engines: &'a [Arc<Worker>],
+        _request: &'a PickRequest<'a>,
+    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+        ready(self.choose(engines))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AdmissionLimits, Role};
+    use crate::policies::testing::*;
+    use crate::policies::{Limit, Rejection};
+    use crate::state::load_monitor::InflightTable;
+
+    fn pick(s: &State, limits: AdmissionLimits, ids: &[&str]) -> Result<Pick, PickError> {
+        now(LeastLoadPolicy::new(s.gate(limits)).pick(&workers(ids), &request(Role::Plain)))
+    }
+
+    #[test]
+    fn reported_running_plus_waiting_decides() {
+        let s = State::new();
+        s.loads(&[
+            ("A", native_load(3, 3)),
+            ("B", native_load(4, 1)),
+            ("C", basic_load(1, 9)),
+        ]);
+        assert_eq!(
+            pick(&s, AdmissionLimits::default(), &["A", "B", "C"])
+                .unwrap()
+                .worker
+                .id,
+            "B"
+        );
+    }
+
+    #[test]
+    fn dispatches_since_the_report_are_added() {
+        let s = State::new();
+        let mut a = native_load(1, 0);
+        a.dispatches_at_report = 10;
+        s.loads(&[("A", a), ("B", native_load(3, 0))]);
+        for _ in 0..13 {
+            s.inflight.acquire("A");
+        }
+        for _ in 0..13 {
+            s.inflight.release("A");
+        }
+        // A: 1 reported + 3 sent since the report = 4 > B's 3.
+        assert_eq!(
+            pick(&s, AdmissionLimits::default(), &["A", "B"])
+                .unwrap()
+                .worker
+                .id,
+            "B"
+        );
+    }
+
+    #[test]
+    fn without_a_fresh_report_router_local_in_flight_is_the_load() {
+        let s = State::new();
+        s.inflight.set("A", 5);
+        s.inflight.set("B", 2);
+        assert_eq!(
+            pick(&s, AdmissionLimits::default(), &["A", "B"])
+                .unwrap()
+                .worker
+                .id,
+            "B"
+        );
+    }
+
+    #[test]
+    fn ties_go_to_fewer_in_flight_then_lower_id() {
+        let s = State::new();
+        s.loads(&[
+            ("A", native_load(2, 0)),
+            ("B", native_load(2, 0)),
+            ("C", native_load(2, 0)),
+        ]);
+        s.inflight.set("A", 1);
+        assert_eq!(
+            pick(&s, AdmissionLimits::default(), &["A", "B", "C"])
+                .unwrap()
+                .worker
+                .id,
+            "B"
+        );
+        s.inflight.set("B", 1);
+        s.inflight.set("C", 1);
+        assert_eq!(
+            pick(&s, AdmissionLimits::default(), &["A", "B", "C"])
+                .unwrap()
+                .worker
+                .id,
+            "A"
+        );
+    }
+
+    #[test]
+    fn rejected_engines_are_skipped_and_exhaustion_lists_every_rejection() {
+        let s = State::new();
+        s.loads(&[("A", native_load(1, 0)), ("B", native_load(5, 0))]);
+        let limits = AdmissionLimits {
+            max_running_requests: Some(5),
+            max_inflight_requests: Some(1),
+            ..Default::default()
+        };
+        s.inflight.set("A", 1);
+        assert_eq!(
+            pick(&s, limits, &["A", "B"]).unwrap_err(),
+            PickError::NoAdmissibleEngine {
+                rejections: vec![
+                    Rejection {
+                        worker: "A".into(),
+                        limit: Limit::MaxInflightRequests
+                    },
+                    Rejection {
+                        worker: "B".into(),
+                        limit: Limit::MaxRunningRequests
+                    },
+                ]
+            }
+        );
+        s.loads(&[("A", native_load(1, 0)), ("B", native_load(4, 0))]);
+        assert_eq!(pick(&s, limits, &["A", "B"]).unwrap().worker.id, "B");
+    }
+}

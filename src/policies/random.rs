@@ -1,0 +1,92 @@
+//! Uniform choice among the candidates; the chosen engine is checked once.
+
+use std::sync::Arc;
+
+use super::admission::AdmissionGate;
+use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
+use crate::registry::Worker;
+
+#[derive(Debug)]
+pub struct RandomPolicy {
+    random: Arc<dyn RandomSource>,
+    gate: AdmissionGate,
+}
+
+impl RandomPolicy {
+    pub fn new(random: Arc<dyn RandomSource>, gate: AdmissionGate) -> Self {
+        Self { random, gate }
+    }
+}
+
+impl Policy for RandomPolicy {
+    fn pick<'a>(
+        &'a self,
+        engines: &'a [Arc<Worker>],
+        _request: &'a PickRequest<'a>,
+    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+        ready((|| {
+            if engines.is_empty() {
+                return Err(PickError::no_candidates("random has no candidates"));
+            }
+            let worker = engines
+                .get(self.random.below(engines.len()))
+                .ok_or_else(|| PickError::no_candidates("random index out of range"))?;
+            self.gate.check(worker)?;
+            Ok(Pick {
+                worker: Arc::clone(worker),
+                reason: PickReason::Random,
+            })
+        })())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::config::{AdmissionLimits, Role};
+    use crate::policies::testing::*;
+    use crate::policies::SeededRandom;
+
+    #[test]
+    fn every_candidate_is_chosen_about_equally() {
+        let s = State::new();
+        let p = RandomPolicy::new(
+            Arc::new(SeededRandom::new(7)),
+            s.gate(AdmissionLimits::default()),
+        );
+        let ws = workers(&["A", "B", "C", "D"]);
+        let r = request(Role::Plain);
+        let mut counts: HashMap<String, u32> = HashMap::new();
+        for _ in 0..4000 {
+            *counts
+                .entry(now(p.pick(&ws, &r)).unwrap().worker.id.clone())
+                .or_default() += 1;
+        }
+        for id in ["A", "B", "C", "D"] {
+            let c = counts.get(id).copied().unwrap_or(0);
+            assert!((850..1150).contains(&c), "{id}: {c} of 4000");
+        }
+    }
+
+    #[test]
+    fn no_candidates_and_rejection() {
+        let s = State::new();
+        let p = RandomPolicy::new(
+            Arc::new(SeededRandom::new(1)),
+            s.gate(AdmissionLimits {
+                max_inflight_requests: Some(0),
+                ..Default::default()
+            }),
+        );
+        assert!(matches!(
+            now(p.pick(&[], &request(Role::Plain))),
+            Err(PickError::NoCandidates { .. })
+        ));
+        assert!(matches!(
+            now(p.pick(&workers(&["A"]), &request(Role::Plain))),
+            Err(PickError::AdmissionRejected(_))
+        ));
+    }
+}

@@ -1,0 +1,108 @@
+//! Helpers for the policy and bucket unit tests.
+
+use std::sync::Arc;
+
+use super::admission::AdmissionGate;
+use crate::config::{AdmissionLimits, Role};
+use crate::registry::{EngineAddress, Worker};
+use crate::state::load_monitor::{
+    EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad,
+};
+
+pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Worker> {
+    Arc::new(Worker {
+        id: id.to_string(),
+        model: model.to_string(),
+        role,
+        address: EngineAddress {
+            host: "127.0.0.1".to_string(),
+            port: 1,
+        },
+        cluster: format!("sgl_{id}"),
+        bootstrap_port: (role == Role::Prefill).then_some(8998),
+        dp_size: 1,
+    })
+}
+
+pub fn worker(id: &str) -> Arc<Worker> {
+    worker_with(id, Role::Plain, "m")
+}
+
+pub fn workers(ids: &[&str]) -> Vec<Arc<Worker>> {
+    ids.iter().map(|id| worker(id)).collect()
+}
+
+/// A fresh native report with `running` and `waiting` and room in the KV cache.
+pub fn native_load(running: u64, waiting: u64) -> EngineLoad {
+    EngineLoad {
+        kind: ReportKind::Native,
+        running: Some(running),
+        waiting: Some(waiting),
+        kv_used: Some(10),
+        kv_capacity: Some(1000),
+        max_running: Some(64),
+        waiting_uncached_tokens: None,
+        prefill_queue_ms: None,
+        reported_at_ms: 0,
+        dispatches_at_report: 0,
+    }
+}
+
+pub fn basic_load(running: u64, waiting: u64) -> EngineLoad {
+    EngineLoad {
+        kind: ReportKind::Basic,
+        kv_capacity: None,
+        ..native_load(running, waiting)
+    }
+}
+
+/// The state a policy reads, held so a test can change it.
+pub struct State {
+    pub load: Arc<StaticLoad>,
+    pub inflight: Arc<MemoryInflight>,
+}
+
+impl State {
+    pub fn new() -> Self {
+        Self {
+            load: Arc::new(StaticLoad::default()),
+            inflight: Arc::new(MemoryInflight::default()),
+        }
+    }
+
+    pub fn loads(&self, loads: &[(&str, EngineLoad)]) {
+        self.load.set(LoadSnapshot::from_loads(
+            loads.iter().map(|(id, l)| (id.to_string(), l.clone())),
+        ));
+    }
+
+    pub fn gate(&self, limits: AdmissionLimits) -> AdmissionGate {
+        AdmissionGate {
+            admission: Arc::new(limits),
+            load: self.load.clone(),
+            inflight: self.inflight.clone(),
+        }
+    }
+}
+
+pub fn request(stage: Role) -> super::PickRequest<'static> {
+    super::PickRequest {
+        model: "m",
+        stage,
+        bucket_id: "b",
+        input_tokens: 10,
+        expected_peak_tokens: None,
+        token_ids: None,
+        session_key: None,
+        routing_key: None,
+    }
+}
+
+/// Polls a policy future that must be ready.
+pub fn now<T>(mut f: super::BoxFuture<'_, T>) -> T {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("a local policy returned a pending future"),
+    }
+}

@@ -1,0 +1,15 @@
+//! Engine-reported load and router-local request accounting (design §6). The service parses the
+//! engines' reports into a [`LoadTable`] and publishes it; policies read it through [`LoadView`],
+//! and count dispatches through [`InflightTable`].
+
+mod inflight;
+mod reports;
+mod shared_view;
+mod table;
+
+pub use inflight::{InflightGuard, InflightTable, MemoryInflight, SharedInflight};
+pub use reports::{
+    parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind,
+};
+pub use shared_view::SharedLoadView;
+pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};
