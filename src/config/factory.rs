@@ -138,3 +138,16 @@ pub fn build_policy(
         }
     })
 }
+
+/// Everything the filter checks at `on_configure`: validation, then building every policy
+/// instance against in-memory state. The CLI's `validate` runs exactly this.
+pub fn check(config: &RouterConfig) -> Result<(), ConfigErrors> {
+    let host: Arc<dyn Host> = Arc::new(crate::host::MemoryHost::default());
+    let handles = StateHandles {
+        load: Arc::new(crate::state::load_monitor::StaticLoad::default()),
+        inflight: Arc::new(crate::state::load_monitor::MemoryInflight::default()),
+        random: Arc::new(crate::policies::SeededRandom::new(0)),
+        host,
+    };
+    build_resolvers(config, &handles).map(|_| ())
+}

@@ -44,8 +44,23 @@ impl LeastLoadPolicy {
                 (load, local, w)
             })
             .collect();
-        // Candidates arrive sorted by id, and the sort is stable: ties end on id order.
-        ranked.sort_by_key(|(load, local, _)| (*load, *local));
+        // Candidates arrive sorted by id, so the first minimum and the stable sort both end ties
+        // on id order. The common case (the least loaded engine is admitted) needs no sort.
+        let key = |(load, local, _): &(u64, u64, &Arc<Worker>)| (*load, *local);
+        let Some(best) = ranked.iter().min_by_key(|r| key(r)).map(|r| r.2) else {
+            return Err(PickError::no_candidates("load_based has no candidates"));
+        };
+        match self.gate.check_with(best, snapshot.get(&best.id)) {
+            Ok(()) => {
+                return Ok(Pick {
+                    worker: Arc::clone(best),
+                    reason: PickReason::LeastLoad,
+                })
+            }
+            Err(PickError::AdmissionRejected(_)) => {}
+            Err(other) => return Err(other),
+        }
+        ranked.sort_by_key(key);
         let mut rejections = Vec::new();
         for (_, _, worker) in ranked {
             match self.gate.check_with(worker, snapshot.get(&worker.id)) {

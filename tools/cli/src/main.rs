@@ -4,6 +4,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use sgl_envoy_router_cli::document;
 use sgl_envoy_router_cli::render::{render, RenderOptions, DEFAULT_WASM};
+use sgl_envoy_router_cli::translate::translate;
 
 #[derive(Parser)]
 #[command(
@@ -33,6 +34,15 @@ enum Command {
         #[arg(long, default_value_t = 9901)]
         admin: u16,
     },
+    /// Turn an sglang-router 0.3.2 command line into a router configuration (YAML on stdout).
+    Translate {
+        /// The served model name the workers get.
+        #[arg(long)]
+        model: String,
+        /// sglang-router's launch arguments, after `--`.
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -50,6 +60,7 @@ fn main() -> ExitCode {
             }
             Err(errors) => report(&config, &errors),
         },
+        Command::Translate { model, args } => run_translate(&model, &args),
         Command::Render {
             config,
             wasm,
@@ -85,6 +96,38 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+fn run_translate(model: &str, args: &[String]) -> ExitCode {
+    let translation = match translate(model, args) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for note in &translation.notes {
+        eprintln!("note: {note}");
+    }
+    let yaml = match serde_yaml_ng::to_string(&translation.config) {
+        Ok(y) => y,
+        Err(e) => {
+            eprintln!("error: cannot write YAML: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Print only what the filter would accept.
+    if let Err(errors) = document::parse(&yaml) {
+        for e in &errors.0 {
+            eprintln!("error: {e}");
+        }
+        return ExitCode::FAILURE;
+    }
+    print!(
+        "# Translated from: sglang-router {}\n{yaml}",
+        args.join(" ")
+    );
+    ExitCode::SUCCESS
 }
 
 fn report(path: &std::path::Path, errors: &sgl_envoy_router::config::ConfigErrors) -> ExitCode {

@@ -1,0 +1,529 @@
+//! `translate`: an sglang-router 0.3.2 command line as a router configuration for one model.
+//! What keeps its meaning carries over; every other option is refused by name, never ignored.
+
+use serde_json::{json, Map, Value};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TranslateError {
+    #[error("`{flag}` is not supported: {why}")]
+    Refused { flag: String, why: String },
+    #[error("`{flag}`: {why}")]
+    BadValue { flag: String, why: String },
+    #[error("no workers: give --worker-urls, or --pd-disaggregation with --prefill and --decode")]
+    NoWorkers,
+}
+
+fn refuse(flag: &str, why: &str) -> TranslateError {
+    TranslateError::Refused {
+        flag: flag.to_string(),
+        why: why.to_string(),
+    }
+}
+
+fn bad(flag: &str, why: impl Into<String>) -> TranslateError {
+    TranslateError::BadValue {
+        flag: flag.to_string(),
+        why: why.into(),
+    }
+}
+
+/// The result, plus notes for what belongs elsewhere (listener address, for instance).
+#[derive(Debug)]
+pub struct Translation {
+    pub config: Value,
+    pub notes: Vec<String>,
+}
+
+const POLICIES: &[&str] = &[
+    "random",
+    "round_robin",
+    "power_of_two",
+    "cache_aware",
+    "load_based",
+];
+
+/// Options design §7 dropped, and modes without a bucket-first design yet.
+fn refused_reason(flag: &str, value: Option<&str>) -> Option<&'static str> {
+    Some(match (flag, value) {
+        ("--policy" | "--prefill-policy" | "--decode-policy", Some("fused_score" | "score_policy")) => {
+            "fused-score selection was removed; choose one policy per group"
+        }
+        ("--decode-policy", Some("legacy_host_affinity")) => "legacy host affinity was removed",
+        ("--policy" | "--prefill-policy" | "--decode-policy", Some("manual")) => {
+            "manual routing-key assignment has different semantics; use a sticky policy in the router configuration"
+        }
+        ("--prefill-policy", Some("bucket")) => "length buckets are the router's own bucket list, not a prefill policy",
+        ("--stable-pair", _) => "stable prefill/decode pairing was removed; both engines come from one bucket",
+        ("--affinity-mode", _) => "only strict admitted-binding reuse remains",
+        ("--filter", Some("prefix_cache")) | ("--prefix-cache-min-share", _) => {
+            "the prefix-share filter was removed; it is not the cache_aware minimum hit"
+        }
+        _ if flag.starts_with("--fuse") => "fused-score terms and weights were removed with fused_score",
+        _ if flag.starts_with("--slo") => "SLO ordering has no bucket-first design yet",
+        _ if flag.starts_with("--session") || flag == "--global-session-mode" => {
+            "global session modes need a bucket-first migration design"
+        }
+        _ => return None,
+    })
+}
+
+/// Flags that are understood but cannot be reproduced faithfully.
+fn unfaithful_reason(flag: &str) -> Option<&'static str> {
+    Some(match flag {
+        "--balance-abs-threshold" | "--balance-rel-threshold" => {
+            "sglang-router's load-imbalance switch has no equivalent; cache_aware uses the pressure guard"
+        }
+        "--eviction-interval-secs" => "the prefix index evicts by LRU under its token budget, not on a timer",
+        "--cb-success-threshold" | "--cb-window-duration-secs" => {
+            "the circuit breaker counts consecutive failures and half-opens with one probe"
+        }
+        "--dp-aware" => "data-parallel-aware scheduling is not supported; give dp_size per worker",
+        "--max-payload-size" => "the body limit is fixed at 32 MiB",
+        "--enable-igw" | "--mini-lb" => "one router configuration serves every model; no mode switch is needed",
+        "--max-concurrent-requests" | "--queue-size" | "--queue-timeout-secs" | "--rate-limit-tokens-per-second" => {
+            "rate limiting belongs to Envoy's local rate limit filter"
+        }
+        _ if flag.starts_with("--retry") || flag == "--disable-retries" => "retries belong to Envoy's route retry policy",
+        _ => return None,
+    })
+}
+
+struct Args<'a> {
+    items: Vec<(&'a str, Vec<&'a str>)>,
+}
+
+/// Splits `--flag v1 v2 --other=v` into flags and their values.
+fn split(args: &[String]) -> Result<Args<'_>, TranslateError> {
+    let mut items: Vec<(&str, Vec<&str>)> = Vec::new();
+    for arg in args {
+        if let Some(flag) = arg.strip_prefix("--").map(|_| arg.as_str()) {
+            match flag.split_once('=') {
+                Some((f, v)) => items.push((f, vec![v])),
+                None => items.push((flag, Vec::new())),
+            }
+        } else {
+            match items.last_mut() {
+                Some((_, values)) => values.push(arg),
+                None => return Err(bad(arg, "expected an option starting with --")),
+            }
+        }
+    }
+    Ok(Args { items })
+}
+
+fn one<'a>(flag: &str, values: &[&'a str]) -> Result<&'a str, TranslateError> {
+    match values {
+        [v] => Ok(v),
+        _ => Err(bad(flag, "takes exactly one value")),
+    }
+}
+
+fn number(flag: &str, values: &[&str]) -> Result<f64, TranslateError> {
+    one(flag, values)?
+        .parse::<f64>()
+        .map_err(|_| bad(flag, "is not a number"))
+}
+
+fn seconds_ms(flag: &str, values: &[&str]) -> Result<u64, TranslateError> {
+    let s = number(flag, values)?;
+    if s < 0.0 {
+        return Err(bad(flag, "must not be negative"));
+    }
+    Ok((s * 1000.0).round() as u64)
+}
+
+fn whole(flag: &str, values: &[&str]) -> Result<u64, TranslateError> {
+    one(flag, values)?
+        .parse::<u64>()
+        .map_err(|_| bad(flag, "is not a whole number"))
+}
+
+pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateError> {
+    let parsed = split(args)?;
+    let mut notes = Vec::new();
+    let mut plain_urls: Vec<String> = Vec::new();
+    let mut prefills: Vec<(String, Option<u16>)> = Vec::new();
+    let mut decodes: Vec<String> = Vec::new();
+    let mut pd = false;
+    let mut policy = "cache_aware".to_string();
+    let (mut prefill_policy, mut decode_policy): (Option<String>, Option<String>) = (None, None);
+    let mut cache = Map::new();
+    let mut health = Map::new();
+    let mut breaker = Some(Map::new());
+    let mut timeouts = Map::new();
+    let mut max_inflight: Option<u64> = None;
+    let mut filter_overloaded = false;
+
+    for (flag, values) in &parsed.items {
+        let flag = *flag;
+        if let Some(why) = refused_reason(flag, values.first().copied()) {
+            return Err(refuse(flag, why));
+        }
+        if let Some(why) = unfaithful_reason(flag) {
+            return Err(refuse(flag, why));
+        }
+        match flag {
+            "--worker-urls" => plain_urls.extend(values.iter().map(|v| v.to_string())),
+            "--pd-disaggregation" => pd = true,
+            "--prefill" => match values.as_slice() {
+                [url] => prefills.push((url.to_string(), None)),
+                [url, port] if port.eq_ignore_ascii_case("none") => {
+                    prefills.push((url.to_string(), None))
+                }
+                [url, port] => prefills.push((
+                    url.to_string(),
+                    Some(
+                        port.parse()
+                            .map_err(|_| bad(flag, "bootstrap port is not a port"))?,
+                    ),
+                )),
+                _ => return Err(bad(flag, "takes URL [BOOTSTRAP_PORT]")),
+            },
+            "--decode" => decodes.push(one(flag, values)?.to_string()),
+            "--policy" | "--prefill-policy" | "--decode-policy" => {
+                let name = one(flag, values)?;
+                if !POLICIES.contains(&name) {
+                    return Err(refuse(&format!("{flag} {name}"), "unknown policy"));
+                }
+                match flag {
+                    "--policy" => policy = name.to_string(),
+                    "--prefill-policy" => prefill_policy = Some(name.to_string()),
+                    _ => decode_policy = Some(name.to_string()),
+                }
+            }
+            "--cache-threshold" => {
+                let t = number(flag, values)?;
+                // sglang-router's threshold is a match-ratio gate; 0 means no gate.
+                if t > 0.0 {
+                    cache.insert("min_hit_ratio".into(), json!(t));
+                }
+                // It has no token minimum, so none is added.
+                cache.insert("min_hit_tokens".into(), json!(0));
+            }
+            "--max-tree-size" => {
+                // Counted in characters there; in tokens of 4 bytes here.
+                cache.insert(
+                    "max_tree_tokens".into(),
+                    json!(whole(flag, values)?.div_ceil(4).max(1)),
+                );
+            }
+            "--max-in-flight" => max_inflight = Some(whole(flag, values)?),
+            "--filter" => match one(flag, values)? {
+                "overloaded" => filter_overloaded = true,
+                other => return Err(refuse(&format!("--filter {other}"), "unknown filter")),
+            },
+            "--health-failure-threshold" => {
+                health.insert("failure_threshold".into(), json!(whole(flag, values)?));
+            }
+            "--health-success-threshold" => {
+                health.insert("success_threshold".into(), json!(whole(flag, values)?));
+            }
+            "--health-check-timeout-secs" => {
+                health.insert("timeout_ms".into(), json!(seconds_ms(flag, values)?));
+            }
+            "--health-check-interval-secs" => {
+                health.insert("interval_ms".into(), json!(seconds_ms(flag, values)?));
+            }
+            "--health-check-endpoint" => {
+                health.insert("path".into(), json!(one(flag, values)?));
+            }
+            "--request-timeout-secs" => {
+                timeouts.insert("request_ms".into(), json!(seconds_ms(flag, values)?));
+            }
+            "--cb-failure-threshold" => {
+                if let Some(b) = breaker.as_mut() {
+                    b.insert("failure_threshold".into(), json!(whole(flag, values)?));
+                }
+            }
+            "--cb-timeout-duration-secs" => {
+                if let Some(b) = breaker.as_mut() {
+                    b.insert("cooldown_ms".into(), json!(seconds_ms(flag, values)?));
+                }
+            }
+            "--disable-circuit-breaker" => breaker = None,
+            "--host" | "--port" => notes.push(format!(
+                "{flag} {}: the listener is Envoy's; pass it to `render --listen`",
+                values.join(" ")
+            )),
+            other => {
+                return Err(refuse(
+                    other,
+                    "unknown option, or one this router cannot reproduce",
+                ))
+            }
+        }
+    }
+
+    if filter_overloaded && max_inflight.is_none() {
+        return Err(bad("--filter overloaded", "needs --max-in-flight N"));
+    }
+    let mut admission = Map::new();
+    if let Some(n) = max_inflight {
+        admission.insert("max_inflight_requests".into(), json!(n));
+    }
+    let group_policy = |name: &str| -> Value {
+        let mut p = Map::new();
+        p.insert("type".into(), json!(name));
+        if !admission.is_empty() {
+            p.insert("admission".into(), Value::Object(admission.clone()));
+        }
+        if name == "cache_aware" {
+            for (k, v) in &cache {
+                p.insert(k.clone(), v.clone());
+            }
+        }
+        Value::Object(p)
+    };
+
+    let mut workers = Vec::new();
+    let groups = if pd || !prefills.is_empty() || !decodes.is_empty() {
+        if !plain_urls.is_empty() {
+            return Err(bad(
+                "--worker-urls",
+                "cannot be mixed with --prefill/--decode (one model is plain or PD)",
+            ));
+        }
+        if prefills.is_empty() || decodes.is_empty() {
+            return Err(TranslateError::NoWorkers);
+        }
+        for (i, (url, port)) in prefills.iter().enumerate() {
+            let mut w = json!({"id": format!("prefill-{i}"), "url": url, "model": model, "role": "prefill"});
+            if let Some(p) = port {
+                w["bootstrap_port"] = json!(p);
+            }
+            workers.push(w);
+        }
+        for (i, url) in decodes.iter().enumerate() {
+            workers.push(
+                json!({"id": format!("decode-{i}"), "url": url, "model": model, "role": "decode"}),
+            );
+        }
+        let decode_name = decode_policy.clone().unwrap_or_else(|| policy.clone());
+        if decode_name == "cache_aware" {
+            return Err(refuse(
+                if decode_policy.is_some() {
+                    "--decode-policy cache_aware"
+                } else {
+                    "--policy cache_aware"
+                },
+                "cache_aware is valid only for prefill; give --decode-policy (e.g. power_of_two)",
+            ));
+        }
+        json!({"pd": {
+            "prefill": {"policy": group_policy(prefill_policy.as_deref().unwrap_or(&policy))},
+            "decode": {"policy": group_policy(&decode_name)},
+        }})
+    } else {
+        if plain_urls.is_empty() {
+            return Err(TranslateError::NoWorkers);
+        }
+        if prefill_policy.is_some() || decode_policy.is_some() {
+            return Err(bad(
+                "--prefill-policy/--decode-policy",
+                "apply only with --pd-disaggregation",
+            ));
+        }
+        for (i, url) in plain_urls.iter().enumerate() {
+            workers.push(
+                json!({"id": format!("worker-{i}"), "url": url, "model": model, "role": "plain"}),
+            );
+        }
+        json!({"plain": {"policy": group_policy(&policy)}})
+    };
+
+    let mut config = json!({
+        "workers": workers,
+        "models": {model: {"buckets": [{"id": "default", "groups": groups}]}},
+    });
+    if !health.is_empty() {
+        config["health"] = Value::Object(health);
+    }
+    if let Some(b) = breaker {
+        // sglang-router's breaker is on by default (10 failures, 60 s).
+        let mut b = b;
+        b.entry("failure_threshold").or_insert(json!(10));
+        b.entry("cooldown_ms").or_insert(json!(60_000));
+        config["circuit_breaker"] = Value::Object(b);
+    }
+    if !timeouts.is_empty() {
+        config["timeouts"] = Value::Object(timeouts);
+    }
+    Ok(Translation { config, notes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    /// A translation that validates.
+    fn valid(s: &str) -> Value {
+        let t = translate("m", &args(s)).unwrap();
+        sgl_envoy_router::config::from_value(t.config.clone()).unwrap_or_else(|e| panic!("{e}"));
+        t.config
+    }
+
+    /// A translation the filter accepts: valid, and every policy instance builds.
+    fn ok(s: &str) -> Value {
+        let config = valid(s);
+        let parsed = sgl_envoy_router::config::from_value(config.clone()).unwrap();
+        sgl_envoy_router::config::factory::check(&parsed).unwrap_or_else(|e| panic!("{e}"));
+        config
+    }
+
+    fn refused(s: &str, flag: &str) {
+        match translate("m", &args(s)) {
+            Err(TranslateError::Refused { flag: f, .. }) => {
+                assert!(f.contains(flag), "{f} vs {flag}")
+            }
+            other => panic!("{s}: expected refusal of {flag}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn plain_workers_and_policy_carry_over() {
+        let c = ok("--worker-urls http://a:1 http://b:2 --policy round_robin");
+        assert_eq!(c["workers"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"],
+            "round_robin"
+        );
+    }
+
+    #[test]
+    fn load_based_and_power_of_two_are_kept() {
+        for p in ["load_based", "power_of_two", "random"] {
+            let c = ok(&format!("--worker-urls http://a:1 --policy {p}"));
+            assert_eq!(
+                c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"],
+                p
+            );
+        }
+    }
+
+    #[test]
+    fn max_in_flight_and_filter_overloaded_become_max_inflight_requests() {
+        let c = ok(
+            "--worker-urls http://a:1 --policy round_robin --max-in-flight 32 --filter overloaded",
+        );
+        assert_eq!(
+            c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"]
+                ["max_inflight_requests"],
+            32
+        );
+        assert!(translate("m", &args("--worker-urls http://a:1 --filter overloaded")).is_err());
+    }
+
+    #[test]
+    fn pd_lists_with_bootstrap_ports_carry_over() {
+        let c = ok("--pd-disaggregation --prefill http://p1:30000 9000 --prefill http://p2:30000 none --decode http://d1:30001 --prefill-policy round_robin --decode-policy power_of_two");
+        let w = c["workers"].as_array().unwrap();
+        assert_eq!(
+            (w[0]["role"].as_str(), w[0]["bootstrap_port"].as_u64()),
+            (Some("prefill"), Some(9000))
+        );
+        assert_eq!(w[1].get("bootstrap_port"), None);
+        assert_eq!(w[2]["role"], "decode");
+        let g = &c["models"]["m"]["buckets"][0]["groups"]["pd"];
+        assert_eq!(
+            (
+                g["prefill"]["policy"]["type"].as_str(),
+                g["decode"]["policy"]["type"].as_str()
+            ),
+            (Some("round_robin"), Some("power_of_two"))
+        );
+    }
+
+    #[test]
+    fn health_timeouts_and_breaker_knobs_keep_their_meaning() {
+        let c = ok("--worker-urls http://a:1 --policy random --health-failure-threshold 4 --health-check-interval-secs 5 --health-check-endpoint /healthz --request-timeout-secs 600 --cb-failure-threshold 7 --cb-timeout-duration-secs 30");
+        assert_eq!(
+            (
+                c["health"]["failure_threshold"].as_u64(),
+                c["health"]["interval_ms"].as_u64()
+            ),
+            (Some(4), Some(5000))
+        );
+        assert_eq!(c["health"]["path"], "/healthz");
+        assert_eq!(c["timeouts"]["request_ms"], 600_000);
+        assert_eq!(
+            (
+                c["circuit_breaker"]["failure_threshold"].as_u64(),
+                c["circuit_breaker"]["cooldown_ms"].as_u64()
+            ),
+            (Some(7), Some(30_000))
+        );
+        let c = ok("--worker-urls http://a:1 --policy random --disable-circuit-breaker");
+        assert!(c.get("circuit_breaker").is_none());
+    }
+
+    #[test]
+    fn dropped_options_are_refused_by_name() {
+        refused("--worker-urls http://a:1 --policy fused_score", "--policy");
+        refused("--worker-urls http://a:1 --policy score_policy", "--policy");
+        refused("--pd-disaggregation --prefill http://p:1 --decode http://d:1 --decode-policy legacy_host_affinity", "--decode-policy");
+        refused("--worker-urls http://a:1 --stable-pair", "--stable-pair");
+        refused(
+            "--worker-urls http://a:1 --affinity-mode soft",
+            "--affinity-mode",
+        );
+        refused("--worker-urls http://a:1 --filter prefix_cache", "--filter");
+        refused(
+            "--worker-urls http://a:1 --prefix-cache-min-share 0.5",
+            "--prefix-cache-min-share",
+        );
+        refused(
+            "--worker-urls http://a:1 --fuse-weights 1,2",
+            "--fuse-weights",
+        );
+    }
+
+    #[test]
+    fn slo_session_and_unknown_options_are_refused_by_name() {
+        refused(
+            "--worker-urls http://a:1 --slo-ttft-ms 200",
+            "--slo-ttft-ms",
+        );
+        refused(
+            "--worker-urls http://a:1 --session-mode global",
+            "--session-mode",
+        );
+        refused("--worker-urls http://a:1 --frobnicate", "--frobnicate");
+        refused(
+            "--worker-urls http://a:1 --balance-abs-threshold 32",
+            "--balance-abs-threshold",
+        );
+        refused("--worker-urls http://a:1 --policy manual", "--policy");
+    }
+
+    #[test]
+    fn cache_aware_maps_its_ratio_and_refuses_decode_use() {
+        let c = valid("--worker-urls http://a:1 --cache-threshold 0.5 --max-tree-size 4096");
+        let p = &c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"];
+        assert_eq!(
+            (
+                p["type"].as_str(),
+                p["min_hit_ratio"].as_f64(),
+                p["max_tree_tokens"].as_u64()
+            ),
+            (Some("cache_aware"), Some(0.5), Some(1024))
+        );
+        refused(
+            "--pd-disaggregation --prefill http://p:1 --decode http://d:1",
+            "--policy cache_aware",
+        );
+    }
+
+    #[test]
+    fn host_and_port_become_notes() {
+        let t = translate(
+            "m",
+            &args("--worker-urls http://a:1 --policy random --host 0.0.0.0 --port 8000"),
+        )
+        .unwrap();
+        assert_eq!(t.notes.len(), 2);
+    }
+}
