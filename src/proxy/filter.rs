@@ -1,18 +1,24 @@
 //! The HTTP filter: strip routing headers, buffer the chat body, hand it to the core, carry out the
-//! decision, release accounting when the stream ends. No selection logic lives here.
+//! decision (upstream header; for PD, the rewritten body, the prefill callout and holding the
+//! decode response until it succeeds), report dispatch results, release accounting when the
+//! stream ends. No selection logic lives here.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::Poll;
+use std::time::{Duration, Instant};
 
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
 use super::host::clear_route_cache;
-use crate::server::app_context::Target;
+use super::stats::Stats;
+use crate::registry::Worker;
+use crate::server::app_context::{PendingChat, Target};
 use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};
+use crate::server::metrics;
 use crate::server::routes::models::list_models;
 use crate::server::{AppContext, Decision, ErrorKind, RouteError};
 use crate::state::load_monitor::InflightGuard;
@@ -20,28 +26,59 @@ use crate::state::load_monitor::InflightGuard;
 const CHAT_PATH: &str = "/v1/chat/completions";
 const MODELS_PATH: &str = "/v1/models";
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefillState {
+    Pending,
+    Succeeded,
+    Failed,
+    /// The decode engine already failed and its answer went to the client.
+    Ignored,
+}
+
+struct PrefillCall {
+    token: u32,
+    worker: Arc<Worker>,
+    state: PrefillState,
+    /// Released when the callout returns.
+    inflight: Option<InflightGuard>,
+}
+
 pub struct Filter {
     app: Rc<RefCell<AppContext>>,
+    stats: Rc<Stats>,
     is_chat: bool,
+    body_size: usize,
     /// Session and routing-key headers, read while request headers may still be read.
     keys: HashMap<String, String>,
+    pending: Option<(PendingChat, Instant)>,
     decision: Option<Decision>,
-    /// Held for the life of the stream; dropped in `on_log`, however the stream ended.
-    inflight: Vec<InflightGuard>,
+    prefill: Option<PrefillCall>,
+    /// The decode or plain engine's slot, held for the life of the stream; dropped in `on_log`.
+    inflight: Option<InflightGuard>,
+    /// The filter answered itself; its own reply is not an upstream result.
+    local_reply: bool,
+    response_held: bool,
 }
 
 impl Filter {
-    pub fn new(app: Rc<RefCell<AppContext>>) -> Self {
+    pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>) -> Self {
         Self {
             app,
+            stats,
             is_chat: false,
+            body_size: 0,
             keys: HashMap::new(),
+            pending: None,
             decision: None,
-            inflight: Vec::new(),
+            prefill: None,
+            inflight: None,
+            local_reply: false,
+            response_held: false,
         }
     }
 
-    fn send_error(&self, error: &RouteError) {
+    fn reply(&mut self, error: &RouteError) {
+        self.local_reply = true;
         self.send_http_response(
             u32::from(error.status()),
             vec![("content-type", "application/json")],
@@ -49,26 +86,147 @@ impl Filter {
         );
     }
 
-    fn apply(&mut self, decision: Decision) -> Action {
-        let Target::Plain(worker) = &decision.target else {
-            self.send_error(&RouteError::new(
-                ErrorKind::InvalidConfiguration,
-                "prefill/decode dispatch is not available in this build",
-            ));
-            return Action::Pause;
+    /// An error the selection did not already count.
+    fn fail(&mut self, error: &RouteError) -> Action {
+        self.stats.count(&metrics::error_outcome(error.kind));
+        self.reply(error);
+        Action::Pause
+    }
+
+    fn poll_selection(&mut self) -> Action {
+        let Some((pending, started)) = self.pending.as_mut() else {
+            return Action::Continue;
         };
+        let outcome = match pending.poll() {
+            Poll::Ready(outcome) => outcome,
+            Poll::Pending => {
+                // Only a callout this context made can wake the future; none is outstanding.
+                self.pending = None;
+                return self.fail(&RouteError::new(
+                    ErrorKind::InvalidConfiguration,
+                    "the selection is waiting on a callout that was never made",
+                ));
+            }
+        };
+        let elapsed = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.pending = None;
+        self.stats.histogram(metrics::SELECTION_US, elapsed);
+        self.stats.count_all(&outcome.counters);
+        match outcome.result {
+            Ok(decision) => self.apply(decision),
+            Err(error) => {
+                self.reply(&error);
+                Action::Pause
+            }
+        }
+    }
+
+    fn apply(&mut self, decision: Decision) -> Action {
         let (name, value) = &decision.upstream_header;
         self.set_http_request_header(name, Some(value));
         clear_route_cache();
         let inflight = Arc::clone(&self.app.borrow().handles().inflight);
-        self.inflight
-            .push(InflightGuard::acquire(inflight, &worker.id));
+        if let Some(pd) = &decision.pd {
+            self.set_http_request_body(0, self.body_size, &pd.body);
+            let authority = pd.prefill.address.host_port();
+            let headers = vec![
+                (":method", "POST"),
+                (":path", CHAT_PATH),
+                (":authority", authority.as_str()),
+                ("content-type", "application/json"),
+            ];
+            let timeout = Duration::from_millis(pd.prefill_timeout_ms);
+            match self.dispatch_http_call(
+                &pd.prefill.cluster,
+                headers,
+                Some(&pd.body),
+                vec![],
+                timeout,
+            ) {
+                Ok(token) => {
+                    self.app.borrow().on_dispatch(&pd.prefill.id);
+                    self.prefill = Some(PrefillCall {
+                        token,
+                        worker: Arc::clone(&pd.prefill),
+                        state: PrefillState::Pending,
+                        inflight: Some(InflightGuard::acquire(
+                            Arc::clone(&inflight),
+                            &pd.prefill.id,
+                        )),
+                    });
+                }
+                Err(status) => {
+                    return self.fail(&RouteError::new(
+                        ErrorKind::PrefillFailed,
+                        format!(
+                            "the prefill request to {} could not be sent: {status:?}",
+                            pd.prefill.id
+                        ),
+                    ));
+                }
+            }
+        }
+        let upstream = decision.target.upstream();
+        self.app.borrow().on_dispatch(&upstream.id);
+        self.inflight = Some(InflightGuard::acquire(inflight, &upstream.id));
         self.decision = Some(decision);
         Action::Continue
     }
+
+    fn on_prefill_done(&mut self, ok: bool, status: &str) {
+        let Some(prefill) = self.prefill.as_mut() else {
+            return;
+        };
+        prefill.inflight = None;
+        let ignored = prefill.state == PrefillState::Ignored;
+        prefill.state = if ok {
+            PrefillState::Succeeded
+        } else {
+            PrefillState::Failed
+        };
+        let worker = Arc::clone(&prefill.worker);
+        self.app.borrow().on_dispatch_result(&worker.id, ok);
+        if ignored {
+            return;
+        }
+        if ok {
+            if std::mem::take(&mut self.response_held) {
+                self.resume_http_response();
+            }
+            return;
+        }
+        let why = if status.is_empty() {
+            "no answer (timeout or connection failure)".to_string()
+        } else {
+            format!("status {status}")
+        };
+        self.fail(&RouteError::new(
+            ErrorKind::PrefillFailed,
+            format!("prefill engine {} failed: {why}", worker.id),
+        ));
+    }
 }
 
-impl Context for Filter {}
+impl Context for Filter {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        _body_size: usize,
+        _trailers: usize,
+    ) {
+        if self.prefill.as_ref().is_some_and(|p| p.token == token) {
+            let status = self
+                .get_http_call_response_header(":status")
+                .unwrap_or_default();
+            self.on_prefill_done(status.starts_with('2'), &status);
+            return;
+        }
+        if self.pending.is_some() && self.poll_selection() == Action::Continue {
+            self.resume_http_request();
+        }
+    }
+}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
@@ -83,6 +241,7 @@ impl HttpContext for Filter {
             ("GET", MODELS_PATH) => {
                 let body = list_models(app.config());
                 drop(app);
+                self.local_reply = true;
                 self.send_http_response(
                     200,
                     vec![("content-type", "application/json")],
@@ -107,7 +266,7 @@ impl HttpContext for Filter {
                 // The pick is not known yet and a PD pick rewrites the body.
                 self.set_http_request_header("content-length", None);
                 if end_of_stream {
-                    self.send_error(&RouteError::invalid("a chat request needs a JSON body"));
+                    return self.fail(&RouteError::invalid("a chat request needs a JSON body"));
                 }
                 Action::Pause
             }
@@ -124,54 +283,81 @@ impl HttpContext for Filter {
         if !self.is_chat || self.decision.is_some() {
             return Action::Continue;
         }
-        if body_size > MAX_BODY_BYTES {
-            self.send_error(&payload_too_large(body_size));
+        if self.local_reply || self.pending.is_some() {
             return Action::Pause;
+        }
+        if body_size > MAX_BODY_BYTES {
+            return self.fail(&payload_too_large(body_size));
         }
         if !end_of_stream {
             return Action::Pause;
         }
+        self.body_size = body_size;
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
+        let started = Instant::now();
         let keys = &self.keys;
-        let started = self
+        let begun = self
             .app
             .borrow_mut()
             .begin_chat(&body, &|name| keys.get(name).cloned());
-        let mut pending = match started {
-            Ok(p) => p,
-            Err(error) => {
-                self.send_error(&error);
-                return Action::Pause;
+        match begun {
+            Ok(pending) => {
+                self.pending = Some((pending, started));
+                self.poll_selection()
             }
-        };
-        match pending.poll() {
-            Poll::Ready(Ok(decision)) => self.apply(decision),
-            Poll::Ready(Err(error)) => {
-                self.send_error(&error);
-                Action::Pause
-            }
-            Poll::Pending => {
-                self.send_error(&RouteError::new(
-                    ErrorKind::InvalidConfiguration,
-                    "a policy needed asynchronous work, which this build cannot wait for",
-                ));
-                Action::Pause
-            }
+            Err(error) => self.fail(&error),
         }
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        if let Some(decision) = &self.decision {
-            self.set_http_response_header("x-sgl-bucket", Some(&decision.bucket_id));
-            self.set_http_response_header("x-sgl-worker", Some(&decision.target.upstream().id));
-            if let Target::Pd { prefill, .. } = &decision.target {
-                self.set_http_response_header("x-sgl-prefill-worker", Some(&prefill.id));
-            }
+        if self.local_reply {
+            return Action::Continue;
         }
-        Action::Continue
+        let Some(decision) = &self.decision else {
+            return Action::Continue;
+        };
+        let upstream = Arc::clone(decision.target.upstream());
+        self.set_http_response_header("x-sgl-bucket", Some(&decision.bucket_id));
+        self.set_http_response_header("x-sgl-worker", Some(&upstream.id));
+        if let Target::Pd { prefill, .. } = &decision.target {
+            let id = prefill.id.clone();
+            self.set_http_response_header("x-sgl-prefill-worker", Some(&id));
+        }
+        let status: u16 = self
+            .get_http_response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        self.app
+            .borrow()
+            .on_dispatch_result(&upstream.id, status != 0 && status < 500);
+        match self.prefill.as_ref().map(|p| p.state) {
+            // A failing decode answer goes to the client at once; the prefill no longer matters.
+            Some(PrefillState::Pending) if !(200..300).contains(&status) => {
+                if let Some(p) = self.prefill.as_mut() {
+                    p.state = PrefillState::Ignored;
+                }
+                Action::Continue
+            }
+            Some(PrefillState::Pending) => {
+                self.response_held = true;
+                Action::Pause
+            }
+            _ => Action::Continue,
+        }
+    }
+
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        if self.response_held {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
     }
 
     fn on_log(&mut self) {
-        self.inflight.clear();
+        // However the stream ended: completed, failed, or the client went away.
+        self.inflight = None;
+        self.prefill = None;
+        self.pending = None;
     }
 }

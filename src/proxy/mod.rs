@@ -6,6 +6,7 @@ mod filter;
 mod host;
 mod root;
 mod service;
+mod stats;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);

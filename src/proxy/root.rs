@@ -11,12 +11,15 @@ use proxy_wasm::types::ContextType;
 use super::filter::Filter;
 use super::host::ProxyHost;
 use super::service::Service;
+use super::stats::Stats;
 use crate::config;
 use crate::config::factory::StateHandles;
 use crate::host::Host;
 use crate::policies::SeededRandom;
 use crate::server::AppContext;
 use crate::state::load_monitor::{SharedInflight, SharedLoadView};
+use crate::state::vm_registry;
+use std::time::Duration;
 
 pub const FILTER_ROOT_ID: &str = "sgl_router";
 pub const SERVICE_ROOT_ID: &str = "sgl_router_service";
@@ -24,6 +27,9 @@ pub const SERVICE_ROOT_ID: &str = "sgl_router_service";
 #[derive(Default)]
 pub struct Root {
     filter: Option<Rc<RefCell<AppContext>>>,
+    stats: Rc<Stats>,
+    /// This filter VM's identity for its in-flight shares; kept across `on_configure` calls.
+    vm: Option<u64>,
     service: Option<Service>,
 }
 
@@ -33,6 +39,17 @@ fn root_id() -> String {
         .flatten()
         .and_then(|b| String::from_utf8(b).ok())
         .unwrap_or_default()
+}
+
+impl Root {
+    /// Tells the service this VM is alive, so its in-flight shares are kept.
+    fn heartbeat(&self) {
+        if let Some(vm) = self.vm {
+            if let Err(e) = vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
+                log::warn!("heartbeat not written: {e}");
+            }
+        }
+    }
 }
 
 impl Context for Root {
@@ -66,18 +83,21 @@ impl RootContext for Root {
         match id.as_str() {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
+                let vm = *self.vm.get_or_insert_with(|| host.random_u64());
                 let handles = StateHandles {
                     load: Arc::new(SharedLoadView::new(
                         Arc::clone(&host),
                         parsed.load.stale_after_ms,
                     )),
-                    inflight: Arc::new(SharedInflight::new(Arc::clone(&host))),
+                    inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
                     random: Arc::new(SeededRandom::from_host(host.as_ref())),
                     host,
                 };
                 match AppContext::new(parsed, handles) {
                     Ok(app) => {
                         self.filter = Some(Rc::new(RefCell::new(app)));
+                        self.heartbeat();
+                        self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
                         true
                     }
                     Err(errors) => {
@@ -89,7 +109,7 @@ impl RootContext for Root {
                 }
             }
             SERVICE_ROOT_ID => {
-                let service = Service::new(parsed);
+                let service = Service::new(parsed, Rc::clone(&self.stats));
                 self.set_tick_period(service.tick_period());
                 self.service = Some(service);
                 true
@@ -107,11 +127,17 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
+        if self.filter.is_some() {
+            self.heartbeat();
+        }
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         let app = self.filter.as_ref()?;
-        Some(Box::new(Filter::new(Rc::clone(app))))
+        Some(Box::new(Filter::new(
+            Rc::clone(app),
+            Rc::clone(&self.stats),
+        )))
     }
 
     fn get_type(&self) -> Option<ContextType> {

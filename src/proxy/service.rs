@@ -1,108 +1,260 @@
-//! The singleton service: on each tick it dispatches the health checks the core's monitor says are
-//! due, and publishes the monitor's table when a worker's health flips.
+//! The singleton service. On each tick it dispatches the health checks and load polls the core's
+//! monitors say are due, publishes their tables when they change, reclaims the in-flight shares of
+//! filter VMs that died, and exports the shared counts as gauges.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
+use proxy_wasm::types::MapType;
 
 use super::host::ProxyHost;
+use super::stats::Stats;
 use crate::config::RouterConfig;
 use crate::host::Host;
 use crate::registry::{Worker, WorkerRegistry};
+use crate::server::metrics::label;
 use crate::state::health::HealthMonitor;
-use crate::state::{keys, shared};
+use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
+use crate::state::{keys, shared, vm_registry};
 
 const TICK_MS: u64 = 100;
+
+#[derive(Debug, Clone, Copy)]
+enum Poll {
+    Health(usize),
+    Load(usize),
+}
 
 pub struct Service {
     config: RouterConfig,
     workers: Vec<Arc<Worker>>,
     health: HealthMonitor,
-    pending_health: HashMap<u32, usize>,
-    published_once: bool,
+    load: LoadPoller,
+    /// Reads the filters' shared counts (the service dispatches nothing itself).
+    inflight: SharedInflight,
+    pending: HashMap<u32, Poll>,
+    health_published: bool,
+    last_sweep_ms: u64,
+    stats: Rc<Stats>,
 }
 
 impl Service {
-    pub fn new(config: RouterConfig) -> Self {
+    pub fn new(config: RouterConfig, stats: Rc<Stats>) -> Self {
         let workers = WorkerRegistry::from_config(&config).all().to_vec();
         let health = HealthMonitor::new(config.health.clone(), &workers);
+        let load = LoadPoller::new(&config.load, &workers);
         Self {
+            inflight: SharedInflight::new(Arc::new(ProxyHost), 0),
             config,
             workers,
             health,
-            pending_health: HashMap::new(),
-            published_once: false,
+            load,
+            pending: HashMap::new(),
+            health_published: false,
+            last_sweep_ms: 0,
+            stats,
         }
     }
 
     pub fn tick_period(&self) -> Duration {
-        Duration::from_millis(TICK_MS.min(self.config.health.interval_ms))
+        Duration::from_millis(
+            TICK_MS
+                .min(self.config.health.interval_ms)
+                .min(self.config.load.interval_ms)
+                .max(10),
+        )
+    }
+
+    fn dispatch(&mut self, worker: &Worker, path: &str, timeout_ms: u64, what: Poll) -> bool {
+        let authority = worker.address.host_port();
+        let headers = vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", authority.as_str()),
+        ];
+        match hostcalls::dispatch_http_call(
+            &worker.cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(timeout_ms),
+        ) {
+            Ok(token) => {
+                self.pending.insert(token, what);
+                true
+            }
+            Err(status) => {
+                log::warn!("poll of {} ({path}) not dispatched: {status:?}", worker.id);
+                false
+            }
+        }
     }
 
     pub fn on_tick(&mut self) {
-        if !self.published_once {
+        if !self.health_published {
             self.publish_health();
         }
         let now = ProxyHost.now_ms();
-        let timeout = Duration::from_millis(self.config.health.timeout_ms);
         for index in self.health.due(now) {
-            let Some(worker) = self.workers.get(index) else {
+            let Some(worker) = self.workers.get(index).cloned() else {
                 continue;
             };
-            let authority = worker.address.host_port();
-            let headers = vec![
-                (":method", "GET"),
-                (":path", self.config.health.path.as_str()),
-                (":authority", authority.as_str()),
-            ];
-            match hostcalls::dispatch_http_call(&worker.cluster, headers, None, vec![], timeout) {
-                Ok(token) => {
-                    self.pending_health.insert(token, index);
+            let path = self.config.health.path.clone();
+            if !self.dispatch(
+                &worker,
+                &path,
+                self.config.health.timeout_ms,
+                Poll::Health(index),
+            ) && self.health.abandon(index)
+            {
+                self.publish_health();
+            }
+        }
+        if let Some(path) = self.load.path() {
+            for index in self.load.due(now) {
+                let Some(worker) = self.workers.get(index).cloned() else {
+                    continue;
+                };
+                if !self.dispatch(
+                    &worker,
+                    path,
+                    self.config.load.timeout_ms,
+                    Poll::Load(index),
+                ) {
+                    let _ = self.load.record(index, None, now, 0);
                 }
-                Err(status) => {
-                    log::warn!("health check of {} not dispatched: {status:?}", worker.id);
-                    if self.health.abandon(index) {
-                        self.publish_health();
+            }
+        }
+        if let Some(table) = self.load.take_publication() {
+            if let Err(e) = shared::publish(&ProxyHost, keys::LOAD_TABLE, &table) {
+                log::warn!("load table not published: {e}");
+            }
+        }
+        if now.saturating_sub(self.last_sweep_ms) >= vm_registry::HEARTBEAT_MS {
+            self.last_sweep_ms = now;
+            self.sweep_dead_vms();
+            self.export_gauges(now);
+        }
+    }
+
+    pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
+        let Some(what) = self.pending.remove(&token) else {
+            return;
+        };
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let ok = status.starts_with('2');
+        match what {
+            Poll::Health(index) => {
+                if self.health.record(index, ok) {
+                    if let Some(w) = self.workers.get(index) {
+                        log::info!(
+                            "worker {} is now {}",
+                            w.id,
+                            if ok { "healthy" } else { "unhealthy" }
+                        );
+                    }
+                    self.publish_health();
+                }
+            }
+            Poll::Load(index) => {
+                let body = if ok {
+                    hostcalls::get_buffer(
+                        proxy_wasm::types::BufferType::HttpCallResponseBody,
+                        0,
+                        body_size,
+                    )
+                    .ok()
+                    .flatten()
+                } else {
+                    None
+                };
+                let dispatches = self
+                    .workers
+                    .get(index)
+                    .map(|w| self.inflight.dispatched_total(&w.id))
+                    .unwrap_or(0);
+                if let Err(e) =
+                    self.load
+                        .record(index, body.as_deref(), ProxyHost.now_ms(), dispatches)
+                {
+                    if let Some(w) = self.workers.get(index) {
+                        log::warn!("load report of {} not understood: {e}", w.id);
                     }
                 }
             }
         }
     }
 
-    pub fn on_http_call_response(&mut self, token: u32, _body_size: usize) {
-        let Some(index) = self.pending_health.remove(&token) else {
-            return;
-        };
-        let status = hostcalls::get_map_value(
-            proxy_wasm::types::MapType::HttpCallResponseHeaders,
-            ":status",
-        )
-        .ok()
-        .flatten()
-        .unwrap_or_default();
-        let ok = status.starts_with('2');
-        if self.health.record(index, ok) {
-            if let Some(w) = self.workers.get(index) {
-                log::info!(
-                    "worker {} is now {}",
-                    w.id,
-                    if ok { "healthy" } else { "unhealthy" }
-                );
-            }
-            self.publish_health();
-        }
-    }
-
     fn publish_health(&mut self) {
-        let table = self.health.table();
-        match serde_json::to_vec(&table) {
+        match serde_json::to_vec(&self.health.table()) {
             Ok(bytes) => match shared::publish(&ProxyHost, keys::HEALTH_TABLE, &bytes) {
-                Ok(_) => self.published_once = true,
+                Ok(_) => self.health_published = true,
                 Err(e) => log::warn!("health table not published: {e}"),
             },
             Err(e) => log::warn!("health table not encoded: {e}"),
         }
+    }
+
+    /// A filter VM that stopped heartbeating crashed (FAIL_RELOAD made a new one); what it held
+    /// would otherwise stay counted forever.
+    fn sweep_dead_vms(&self) {
+        let dead = match vm_registry::sweep(&ProxyHost, ProxyHost.now_ms()) {
+            Ok(dead) => dead,
+            Err(e) => {
+                log::warn!("VM sweep failed: {e}");
+                return;
+            }
+        };
+        if dead.is_empty() {
+            return;
+        }
+        for worker in &self.workers {
+            match SharedInflight::reclaim(&ProxyHost, &worker.id, &dead) {
+                Ok(0) => {}
+                Ok(n) => log::warn!(
+                    "reclaimed {n} in-flight requests of {} from {} dead VMs",
+                    worker.id,
+                    dead.len()
+                ),
+                Err(e) => log::warn!("in-flight of {} not reclaimed: {e}", worker.id),
+            }
+        }
+    }
+
+    fn export_gauges(&self, now: u64) {
+        let snapshot = self
+            .load
+            .table()
+            .snapshot(now, self.config.load.stale_after_ms);
+        let mut fresh = 0;
+        for w in &self.workers {
+            let id = label(&w.id);
+            self.stats.gauge(
+                &format!("sgl_router_inflight.worker.{id}"),
+                self.inflight.inflight(&w.id),
+            );
+            let has_report = snapshot.get(&w.id).is_some();
+            fresh += u64::from(has_report);
+            self.stats.gauge(
+                &format!("sgl_router_fresh_load_report.worker.{id}"),
+                u64::from(has_report),
+            );
+        }
+        self.stats.gauge("sgl_router_fresh_load_reports", fresh);
+        let unhealthy = self.health.table().unhealthy.len() as u64;
+        self.stats.gauge(
+            "sgl_router_healthy_workers",
+            (self.workers.len() as u64).saturating_sub(unhealthy),
+        );
+        self.stats.gauge(
+            "sgl_router_health_published",
+            u64::from(self.health_published),
+        );
     }
 }

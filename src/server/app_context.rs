@@ -8,10 +8,15 @@ use std::task::{Context, Poll, Waker};
 use crate::buckets::{BucketPick, BucketRequest, LiveWorkers};
 use crate::config::factory::{build_resolvers, Resolvers, StateHandles};
 use crate::config::{ConfigErrors, RouterConfig, UpstreamMode};
-use crate::policies::BoxFuture;
+use serde_json::{Map, Value};
+
+use crate::policies::{BoxFuture, RandomSource};
 use crate::registry::{Worker, WorkerRegistry};
+use crate::server::metrics;
+use crate::server::routes::chat::pd::{bootstrap_body, PdDispatch};
 use crate::server::routes::chat::{self, ChatFacts, Selection, SelectionFailure};
 use crate::server::{ErrorKind, RouteError};
+use crate::state::breaker::CircuitBreakers;
 use crate::state::health::HealthTable;
 use crate::state::keys;
 use crate::state::shared::VersionedReader;
@@ -42,7 +47,16 @@ pub struct Decision {
     pub target: Target,
     /// The upstream header and its value (cluster name or `host:port`, by `upstream.mode`).
     pub upstream_header: (String, String),
+    /// PD only: the rewritten body and the prefill callout.
+    pub pd: Option<PdDispatch>,
     pub selection: Selection,
+}
+
+/// A finished selection and the counters it bumps.
+#[derive(Debug)]
+pub struct ChatOutcome {
+    pub result: Result<Decision, RouteError>,
+    pub counters: Vec<String>,
 }
 
 /// How a decision reaches Envoy's router filter.
@@ -66,32 +80,56 @@ impl Upstream {
 /// again when the callout it waits for answers.
 pub struct PendingChat {
     pub facts: ChatFacts,
+    body: Option<Map<String, Value>>,
     selection: BoxFuture<'static, Result<Selection, SelectionFailure>>,
     upstream: Upstream,
+    random: Arc<dyn RandomSource>,
+    prefill_timeout_ms: u64,
 }
 
 impl PendingChat {
-    pub fn poll(&mut self) -> Poll<Result<Decision, RouteError>> {
+    pub fn poll(&mut self) -> Poll<ChatOutcome> {
         let mut cx = Context::from_waker(Waker::noop());
-        match self.selection.as_mut().poll(&mut cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Err(failure)) => Poll::Ready(Err(failure.to_route_error())),
-            Poll::Ready(Ok(selection)) => {
-                let target = match &selection.pick {
-                    BucketPick::Plain(p) => Target::Plain(Arc::clone(&p.worker)),
-                    BucketPick::Pd { prefill, decode } => Target::Pd {
-                        prefill: Arc::clone(&prefill.worker),
-                        decode: Arc::clone(&decode.worker),
-                    },
-                };
-                Poll::Ready(Ok(Decision {
-                    bucket_id: selection.bucket_id.clone(),
-                    upstream_header: self.upstream.header_for(target.upstream()),
-                    target,
-                    selection,
-                }))
+        let selection = match self.selection.as_mut().poll(&mut cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(failure)) => {
+                return Poll::Ready(ChatOutcome {
+                    counters: metrics::failed(&failure),
+                    result: Err(failure.to_route_error()),
+                })
             }
-        }
+            Poll::Ready(Ok(selection)) => selection,
+        };
+        let counters = metrics::selected(&selection);
+        let (target, pd) = match &selection.pick {
+            BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
+            BucketPick::Pd { prefill, decode } => {
+                let body = self.body.take().unwrap_or_default();
+                let (body, rooms) =
+                    bootstrap_body(body, &prefill.worker, self.facts.n, self.random.as_ref());
+                let pd = PdDispatch {
+                    prefill: Arc::clone(&prefill.worker),
+                    body,
+                    rooms,
+                    prefill_timeout_ms: self.prefill_timeout_ms,
+                };
+                let target = Target::Pd {
+                    prefill: Arc::clone(&prefill.worker),
+                    decode: Arc::clone(&decode.worker),
+                };
+                (target, Some(pd))
+            }
+        };
+        Poll::Ready(ChatOutcome {
+            counters,
+            result: Ok(Decision {
+                bucket_id: selection.bucket_id.clone(),
+                upstream_header: self.upstream.header_for(target.upstream()),
+                target,
+                pd,
+                selection,
+            }),
+        })
     }
 }
 
@@ -101,7 +139,8 @@ pub struct AppContext {
     resolvers: Resolvers,
     handles: StateHandles,
     health: VersionedReader<HealthTable>,
-    unavailable: Arc<HashSet<String>>,
+    unhealthy: Arc<HashSet<String>>,
+    breakers: Option<CircuitBreakers>,
     upstream: Upstream,
 }
 
@@ -116,13 +155,18 @@ impl AppContext {
             mode: config.upstream.mode,
             header: config.upstream.header_name().to_string(),
         };
+        let breakers = config
+            .circuit_breaker
+            .clone()
+            .map(|c| CircuitBreakers::new(Arc::clone(&handles.host), c));
         Ok(Self {
             config: Arc::new(config),
             workers,
             resolvers,
             handles,
             health: VersionedReader::new(keys::HEALTH_TABLE),
-            unavailable: Arc::default(),
+            unhealthy: Arc::default(),
+            breakers,
             upstream,
         })
     }
@@ -154,14 +198,39 @@ impl AppContext {
         headers
     }
 
-    /// The workers a request may use now; the health table is decoded again only when it moved.
+    /// The workers a request may use now: not unhealthy, breaker not open. The health table is
+    /// decoded again only when it moved.
     fn live_workers(&mut self) -> LiveWorkers {
         if self.health.refresh(self.handles.host.as_ref()) {
             if let Some(table) = self.health.value() {
-                self.unavailable = Arc::new(table.unhealthy.iter().cloned().collect());
+                self.unhealthy = Arc::new(table.unhealthy.iter().cloned().collect());
             }
         }
-        LiveWorkers::new(Arc::clone(&self.workers), Arc::clone(&self.unavailable))
+        let open = self
+            .breakers
+            .as_ref()
+            .map(CircuitBreakers::unavailable)
+            .unwrap_or_default();
+        let unavailable = if open.is_empty() {
+            Arc::clone(&self.unhealthy)
+        } else {
+            Arc::new(self.unhealthy.iter().cloned().chain(open).collect())
+        };
+        LiveWorkers::new(Arc::clone(&self.workers), unavailable)
+    }
+
+    /// A request (or prefill callout) was sent to `worker`.
+    pub fn on_dispatch(&self, worker: &str) {
+        if let Some(b) = &self.breakers {
+            b.on_dispatch(worker);
+        }
+    }
+
+    /// A dispatch to `worker` finished; `ok` is false for a connect error, a timeout or a 5xx.
+    pub fn on_dispatch_result(&self, worker: &str, ok: bool) {
+        if let Some(b) = &self.breakers {
+            b.record(worker, ok);
+        }
     }
 
     /// Prepares a buffered chat body and starts its bucket loop. `header` reads a request header.
@@ -170,7 +239,7 @@ impl AppContext {
         body: &[u8],
         header: &dyn Fn(&str) -> Option<String>,
     ) -> Result<PendingChat, RouteError> {
-        let facts = chat::prepare(body, self.config.tokens.bytes_per_token)?;
+        let (facts, parsed) = chat::prepare_with_body(body, self.config.tokens.bytes_per_token)?;
         let (Some(model), Some(resolver)) = (
             self.config.models.get(&facts.model),
             self.resolvers.get(&facts.model),
@@ -193,8 +262,11 @@ impl AppContext {
         let live = self.live_workers();
         Ok(PendingChat {
             facts,
+            body: Some(parsed),
             selection: chat::select(resolver, live, request),
             upstream: self.upstream.clone(),
+            random: Arc::clone(&self.handles.random),
+            prefill_timeout_ms: self.config.pd.prefill_timeout_ms,
         })
     }
 }

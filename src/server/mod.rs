@@ -2,6 +2,7 @@
 
 pub mod app_context;
 pub mod errors;
+pub mod metrics;
 pub mod routes;
 
 pub use app_context::{AppContext, Decision};

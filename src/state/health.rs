@@ -5,6 +5,7 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
+use super::schedule::PollSchedule;
 use crate::config::HealthConfig;
 use crate::registry::Worker;
 
@@ -26,20 +27,20 @@ struct WorkerHealth {
     healthy: bool,
     consecutive_ok: u32,
     consecutive_fail: u32,
-    next_due_ms: u64,
-    checking: bool,
 }
 
 /// The service's per-worker check schedule and threshold logic.
 #[derive(Debug)]
 pub struct HealthMonitor {
     config: HealthConfig,
+    schedule: PollSchedule,
     workers: Vec<WorkerHealth>,
 }
 
 impl HealthMonitor {
     pub fn new(config: HealthConfig, workers: &[std::sync::Arc<Worker>]) -> Self {
         Self {
+            schedule: PollSchedule::new(config.interval_ms, workers.len()),
             config,
             workers: workers
                 .iter()
@@ -48,34 +49,22 @@ impl HealthMonitor {
                     healthy: true,
                     consecutive_ok: 0,
                     consecutive_fail: 0,
-                    next_due_ms: 0,
-                    checking: false,
                 })
                 .collect(),
         }
     }
 
-    /// Workers whose check is due now; each is marked as being checked until [`Self::record`].
+    /// Workers whose check is due now; each is outstanding until [`Self::record`].
     pub fn due(&mut self, now_ms: u64) -> Vec<usize> {
-        let interval = self.config.interval_ms;
-        self.workers
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, w)| !w.checking && w.next_due_ms <= now_ms)
-            .map(|(i, w)| {
-                w.checking = true;
-                w.next_due_ms = now_ms.saturating_add(interval);
-                i
-            })
-            .collect()
+        self.schedule.due(now_ms)
     }
 
     /// Records a finished check; returns whether the worker's health flipped.
     pub fn record(&mut self, index: usize, ok: bool) -> bool {
+        self.schedule.finished(index);
         let Some(w) = self.workers.get_mut(index) else {
             return false;
         };
-        w.checking = false;
         if ok {
             w.consecutive_ok = w.consecutive_ok.saturating_add(1);
             w.consecutive_fail = 0;
@@ -171,15 +160,5 @@ mod tests {
         m.record(0, true);
         assert!(!m.record(0, false));
         assert!(m.table().unhealthy.is_empty());
-    }
-
-    #[test]
-    fn due_checks_follow_the_interval_and_skip_outstanding_ones() {
-        let mut m = monitor();
-        assert_eq!(m.due(0), vec![0, 1]);
-        assert!(m.due(50).is_empty());
-        m.record(0, true);
-        assert!(m.due(99).is_empty());
-        assert_eq!(m.due(100), vec![0]);
     }
 }

@@ -13,6 +13,12 @@ pub fn inflight(worker: &str) -> String {
     format!("sgl.inflight.{worker}")
 }
 
+/// Circuit-breaker state of the workers that have failures or an open breaker.
+pub const BREAKERS: &str = "sgl.breakers";
+
+/// The live filter VMs and when each last heartbeated.
+pub const VMS: &str = "sgl.vms";
+
 /// The reported-load table the service publishes.
 pub const LOAD_TABLE: &str = "sgl.load";
 

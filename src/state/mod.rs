@@ -1,6 +1,9 @@
 //! State shared between the service and every worker VM, kept in the host's shared data.
 
+pub mod breaker;
 pub mod health;
 pub mod keys;
 pub mod load_monitor;
+pub mod schedule;
 pub mod shared;
+pub mod vm_registry;

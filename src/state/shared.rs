@@ -92,6 +92,10 @@ pub fn update<R>(
     seed: &[u8],
     mut change: impl FnMut(&[u8]) -> (Vec<u8>, R),
 ) -> Result<R, HostError> {
+    if seed.is_empty() {
+        // An empty value reads back as absent; the key could never be updated.
+        return Err(HostError::Failed(format!("`{key}` needs a non-empty seed")));
+    }
     for _ in 0..CAS_RETRIES {
         match host.shared_get(key)? {
             None => {

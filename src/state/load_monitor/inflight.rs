@@ -106,74 +106,158 @@ mod tests {
     }
 }
 
-/// In-flight counts in shared data, one fixed key per worker, updated with cas by every VM.
+/// In-flight counts in shared data, one fixed key per worker. Each VM keeps its own share inside
+/// the key, so the share of a VM that crashed can be reclaimed without touching anyone else's;
+/// the dispatch total of a reclaimed share is kept, so corrections never jump backwards.
 pub struct SharedInflight {
     host: Arc<dyn crate::host::Host>,
+    vm: u64,
+}
+
+/// The decoded value of one worker's key.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Shares {
+    retired_total: u64,
+    /// (vm, in flight, dispatched total)
+    vms: Vec<(u64, u64, u64)>,
+}
+
+impl Shares {
+    fn decode(bytes: &[u8]) -> Self {
+        let word = |c: &[u8], i: usize| {
+            c.get(i * 8..i * 8 + 8)
+                .and_then(crate::state::shared::decode_u64)
+                .unwrap_or(0)
+        };
+        let retired_total = word(bytes, 0);
+        let vms = bytes
+            .get(8..)
+            .unwrap_or_default()
+            .chunks_exact(24)
+            .map(|c| (word(c, 0), word(c, 1), word(c, 2)))
+            .collect();
+        Self { retired_total, vms }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut out = self.retired_total.to_le_bytes().to_vec();
+        for (vm, n, total) in &self.vms {
+            out.extend_from_slice(&vm.to_le_bytes());
+            out.extend_from_slice(&n.to_le_bytes());
+            out.extend_from_slice(&total.to_le_bytes());
+        }
+        out
+    }
+
+    fn inflight(&self) -> u64 {
+        self.vms.iter().map(|v| v.1).fold(0, u64::saturating_add)
+    }
+
+    fn total(&self) -> u64 {
+        self.vms
+            .iter()
+            .map(|v| v.2)
+            .fold(self.retired_total, u64::saturating_add)
+    }
+
+    fn own(&mut self, vm: u64) -> &mut (u64, u64, u64) {
+        let i = match self.vms.iter().position(|v| v.0 == vm) {
+            Some(i) => i,
+            None => {
+                self.vms.push((vm, 0, 0));
+                self.vms.len() - 1
+            }
+        };
+        &mut self.vms[i]
+    }
 }
 
 impl SharedInflight {
-    pub fn new(host: Arc<dyn crate::host::Host>) -> Self {
-        Self { host }
+    /// `vm` identifies this VM's share; it must be unique per VM instance.
+    pub fn new(host: Arc<dyn crate::host::Host>, vm: u64) -> Self {
+        Self { host, vm }
     }
 
-    fn read(&self, worker: &str) -> (u64, u64) {
+    fn read(&self, worker: &str) -> Shares {
         match self.host.shared_get(&crate::state::keys::inflight(worker)) {
-            Ok(Some(v)) => decode_pair(&v.bytes),
-            _ => (0, 0),
+            Ok(Some(v)) => Shares::decode(&v.bytes),
+            _ => Shares::default(),
         }
     }
 
-    fn change(&self, worker: &str, f: impl Fn((u64, u64)) -> (u64, u64)) {
+    fn change(&self, worker: &str, f: impl Fn(&mut Shares)) {
         let key = crate::state::keys::inflight(worker);
-        let result =
-            crate::state::shared::update(self.host.as_ref(), &key, &encode_pair((0, 0)), |bytes| {
-                (encode_pair(f(decode_pair(bytes))), ())
-            });
+        let result = crate::state::shared::update(
+            self.host.as_ref(),
+            &key,
+            &Shares::default().encode(),
+            |bytes| {
+                let mut shares = Shares::decode(bytes);
+                f(&mut shares);
+                (shares.encode(), ())
+            },
+        );
         if let Err(e) = result {
             log::warn!("in-flight count of {worker} not updated: {e}");
         }
+    }
+
+    /// The service's sweep: folds the shares of dead VMs away, keeping their dispatch totals.
+    pub fn reclaim(
+        host: &dyn crate::host::Host,
+        worker: &str,
+        dead: &[u64],
+    ) -> Result<u64, crate::host::HostError> {
+        let key = crate::state::keys::inflight(worker);
+        crate::state::shared::update(host, &key, &Shares::default().encode(), |bytes| {
+            let mut shares = Shares::decode(bytes);
+            let mut reclaimed = 0;
+            shares.vms.retain(|(vm, n, total)| {
+                if dead.contains(vm) {
+                    shares.retired_total = shares.retired_total.saturating_add(*total);
+                    reclaimed += n;
+                    false
+                } else {
+                    true
+                }
+            });
+            (shares.encode(), reclaimed)
+        })
     }
 }
 
 impl std::fmt::Debug for SharedInflight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SharedInflight")
+        f.debug_struct("SharedInflight")
+            .field("vm", &self.vm)
+            .finish()
     }
-}
-
-fn encode_pair((inflight, total): (u64, u64)) -> Vec<u8> {
-    let mut v = inflight.to_le_bytes().to_vec();
-    v.extend_from_slice(&total.to_le_bytes());
-    v
-}
-
-fn decode_pair(bytes: &[u8]) -> (u64, u64) {
-    let word = |i: usize| {
-        bytes
-            .get(i * 8..i * 8 + 8)
-            .and_then(crate::state::shared::decode_u64)
-            .unwrap_or(0)
-    };
-    (word(0), word(1))
 }
 
 impl InflightTable for SharedInflight {
     fn inflight(&self, worker: &str) -> u64 {
-        self.read(worker).0
+        self.read(worker).inflight()
     }
 
     fn dispatched_total(&self, worker: &str) -> u64 {
-        self.read(worker).1
+        self.read(worker).total()
     }
 
     fn acquire(&self, worker: &str) {
-        self.change(worker, |(n, total)| {
-            (n.saturating_add(1), total.saturating_add(1))
+        let vm = self.vm;
+        self.change(worker, |s| {
+            let own = s.own(vm);
+            own.1 = own.1.saturating_add(1);
+            own.2 = own.2.saturating_add(1);
         });
     }
 
     fn release(&self, worker: &str) {
-        self.change(worker, |(n, total)| (n.saturating_sub(1), total));
+        let vm = self.vm;
+        self.change(worker, |s| {
+            let own = s.own(vm);
+            own.1 = own.1.saturating_sub(1);
+        });
     }
 }
 
@@ -185,8 +269,8 @@ mod shared_tests {
     #[test]
     fn shared_counts_are_seen_by_every_vm_and_never_go_below_zero() {
         let host: Arc<dyn crate::host::Host> = Arc::new(MemoryHost::default());
-        let vm1 = SharedInflight::new(Arc::clone(&host));
-        let vm2 = SharedInflight::new(host);
+        let vm1 = SharedInflight::new(Arc::clone(&host), 1);
+        let vm2 = SharedInflight::new(host, 2);
         vm1.acquire("A");
         vm2.acquire("A");
         assert_eq!((vm1.inflight("A"), vm2.inflight("A")), (2, 2));
@@ -194,5 +278,42 @@ mod shared_tests {
         vm1.release("A");
         vm1.release("A");
         assert_eq!((vm2.inflight("A"), vm2.dispatched_total("A")), (0, 2));
+    }
+
+    #[test]
+    fn a_dead_vms_share_is_reclaimed_and_its_dispatches_still_count() {
+        let host: Arc<dyn crate::host::Host> = Arc::new(MemoryHost::default());
+        let crashed = SharedInflight::new(Arc::clone(&host), 1);
+        let alive = SharedInflight::new(Arc::clone(&host), 2);
+        crashed.acquire("A");
+        crashed.acquire("A");
+        alive.acquire("A");
+        assert_eq!(alive.inflight("A"), 3);
+        assert_eq!(
+            SharedInflight::reclaim(host.as_ref(), "A", &[1]).unwrap(),
+            2
+        );
+        assert_eq!((alive.inflight("A"), alive.dispatched_total("A")), (1, 3));
+        alive.release("A");
+        assert_eq!(alive.inflight("A"), 0);
+    }
+
+    #[test]
+    fn concurrent_updates_from_many_vms_are_not_lost() {
+        // Interleave read-modify-write cycles: every VM reads, then every VM writes with its cas.
+        let host = Arc::new(MemoryHost::default());
+        let vms: Vec<SharedInflight> = (0..8)
+            .map(|vm| SharedInflight::new(host.clone(), vm))
+            .collect();
+        for round in 0..50 {
+            for vm in &vms {
+                vm.acquire("A");
+                if round % 2 == 1 {
+                    vm.release("A");
+                }
+            }
+        }
+        assert_eq!(vms[0].inflight("A"), 8 * 25);
+        assert_eq!(vms[3].dispatched_total("A"), 8 * 50);
     }
 }

@@ -3,11 +3,13 @@
 //! and count dispatches through [`InflightTable`].
 
 mod inflight;
+mod poller;
 mod reports;
 mod shared_view;
 mod table;
 
 pub use inflight::{InflightGuard, InflightTable, MemoryInflight, SharedInflight};
+pub use poller::LoadPoller;
 pub use reports::{
     parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind,
 };

@@ -56,10 +56,14 @@ fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
             }
         }],
         "stats_config": {
-            // Prometheus labels from the filter's metric names (wasmcustom.<metric>.<label>.<value>).
+            // Prometheus labels from the filter's metric names
+            // (wasmcustom.<metric>[.stage.<s>][.worker.<w>] and friends).
             "stats_tags": [
-                {"tag_name": "worker", "regex": "^wasmcustom\\.sgl_router_\\w+?\\.worker\\.(([^.]+)\\.)"},
-                {"tag_name": "bucket", "regex": "^wasmcustom\\.sgl_router_\\w+?\\.bucket\\.(([^.]+)\\.)"},
+                {"tag_name": "stage", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.stage\\.([^.]+))"},
+                {"tag_name": "worker", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(\\.worker\\.([^.]+))$"},
+                {"tag_name": "bucket", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.bucket\\.([^.]+))$"},
+                {"tag_name": "outcome", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.outcome\\.([^.]+))$"},
+                {"tag_name": "limit", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.limit\\.([^.]+))$"},
             ]
         },
         "static_resources": {

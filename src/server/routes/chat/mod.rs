@@ -1,7 +1,8 @@
 //! `POST /v1/chat/completions`: prepare the facts once, then walk the resolved buckets.
 
-mod bucket_loop;
+pub mod bucket_loop;
+pub mod pd;
 mod prepare;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
-pub use prepare::{prepare, ChatFacts};
+pub use prepare::{prepare, prepare_with_body, ChatFacts};

@@ -20,6 +20,15 @@ pub struct ChatFacts {
 
 /// Parses and validates a chat body. `bytes_per_token` is ≥ 1 (validated configuration).
 pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<ChatFacts, RouteError> {
+    prepare_with_body(body, bytes_per_token).map(|(facts, _)| facts)
+}
+
+/// [`prepare`], also handing back the parsed body so a PD dispatch can rewrite it without
+/// parsing it again.
+pub fn prepare_with_body(
+    body: &[u8],
+    bytes_per_token: u64,
+) -> Result<(ChatFacts, Map<String, Value>), RouteError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| RouteError::invalid(format!("request body is not valid JSON: {e}")))?;
     let Value::Object(obj) = value else {
@@ -69,14 +78,15 @@ pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<ChatFacts, RouteErro
             })
         })
         .transpose()?;
-    Ok(ChatFacts {
+    let facts = ChatFacts {
         model,
         stream,
         n: u64::try_from(n).unwrap_or(u64::MAX),
         output_budget,
         input_tokens,
         expected_peak_tokens,
-    })
+    };
+    Ok((facts, obj))
 }
 
 /// UTF-8 bytes of a message's text: a string content, or the text parts of an array content.

@@ -1,0 +1,104 @@
+//! Names of the counters the filter bumps (Envoy stats). Labels are encoded in the name as
+//! `<metric>.<label>.<value>` and turned into Prometheus tags by the `stats_tags` that `render`
+//! emits.
+
+use crate::buckets::BucketPick;
+use crate::config::Role;
+use crate::policies::{PickError, Rejection};
+use crate::server::routes::chat::{Selection, SelectionFailure};
+use crate::server::ErrorKind;
+
+pub const SELECTION_US: &str = "sgl_router_selection_us";
+
+/// A label value safe inside a dotted metric name.
+pub fn label(value: &str) -> String {
+    value
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+pub fn outcome(name: &str) -> String {
+    format!("sgl_router_requests_total.outcome.{}", label(name))
+}
+
+pub fn error_outcome(kind: ErrorKind) -> String {
+    outcome(kind.type_name())
+}
+
+fn rejections(error: &PickError) -> &[Rejection] {
+    match error {
+        PickError::AdmissionRejected(r) => std::slice::from_ref(r),
+        PickError::NoAdmissibleEngine { rejections } => rejections,
+        _ => &[],
+    }
+}
+
+fn rejection_counters<'a>(
+    skipped: impl Iterator<Item = &'a crate::server::routes::chat::bucket_loop::SkippedBucket>,
+) -> Vec<String> {
+    skipped
+        .flat_map(|s| {
+            rejections(&s.error).iter().map(|r| {
+                format!(
+                    "sgl_router_admission_rejections_total.limit.{}",
+                    r.limit.as_str()
+                )
+            })
+        })
+        .collect()
+}
+
+/// Counters for a completed selection.
+pub fn selected(selection: &Selection) -> Vec<String> {
+    let mut names = vec![
+        outcome("routed"),
+        format!(
+            "sgl_router_bucket_selected_total.bucket.{}",
+            label(&selection.bucket_id)
+        ),
+    ];
+    let pick = |stage: Role, worker: &str| {
+        format!(
+            "sgl_router_picks_total.stage.{}.worker.{}",
+            stage.as_str(),
+            label(worker)
+        )
+    };
+    match &selection.pick {
+        BucketPick::Plain(p) => names.push(pick(Role::Plain, &p.worker.id)),
+        BucketPick::Pd { prefill, decode } => {
+            names.push(pick(Role::Prefill, &prefill.worker.id));
+            names.push(pick(Role::Decode, &decode.worker.id));
+        }
+    }
+    names.extend(rejection_counters(selection.skipped.iter()));
+    names
+}
+
+/// Counters for a selection that failed.
+pub fn failed(failure: &SelectionFailure) -> Vec<String> {
+    let mut names = vec![error_outcome(failure.to_route_error().kind)];
+    match failure {
+        SelectionFailure::Exhausted(skipped) => names.extend(rejection_counters(skipped.iter())),
+        SelectionFailure::Stopped(s) => names.extend(rejection_counters(std::iter::once(s))),
+        _ => {}
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_cannot_break_the_dotted_name() {
+        assert_eq!(label("gpu.node-1/a"), "gpu_node-1_a");
+    }
+}

@@ -1,0 +1,156 @@
+//! The service's load polling: which worker is due, which endpoint the configured source reads,
+//! and the table built from the answers. A failed poll records nothing, so the old report ages
+//! out instead of being reused.
+
+use std::sync::Arc;
+
+use super::reports::{parse_get_load, parse_prometheus, parse_v1_loads, ReportError, ReportKind};
+use super::table::LoadTable;
+use crate::config::{LoadConfig, LoadSource};
+use crate::registry::Worker;
+use crate::state::schedule::PollSchedule;
+
+#[derive(Debug)]
+pub struct LoadPoller {
+    source: LoadSource,
+    schedule: PollSchedule,
+    workers: Vec<Arc<Worker>>,
+    table: LoadTable,
+    dirty: bool,
+}
+
+impl LoadPoller {
+    pub fn new(config: &LoadConfig, workers: &[Arc<Worker>]) -> Self {
+        Self {
+            source: config.source,
+            schedule: PollSchedule::new(config.interval_ms, workers.len()),
+            workers: workers.to_vec(),
+            table: LoadTable::default(),
+            dirty: false,
+        }
+    }
+
+    /// The endpoint the source reads; `None` when load is not polled at all.
+    pub fn path(&self) -> Option<&'static str> {
+        match self.source {
+            LoadSource::SglangLoads => Some("/v1/loads"),
+            LoadSource::SglangGetLoad => Some("/get_load"),
+            LoadSource::Prometheus => Some("/metrics"),
+            LoadSource::None => None,
+        }
+    }
+
+    pub fn due(&mut self, now_ms: u64) -> Vec<usize> {
+        if self.path().is_none() {
+            return Vec::new();
+        }
+        self.schedule.due(now_ms)
+    }
+
+    pub fn worker(&self, index: usize) -> Option<&Arc<Worker>> {
+        self.workers.get(index)
+    }
+
+    /// Records a finished poll. `body` is `Some` only for a 2xx answer. `dispatches` is the
+    /// worker's dispatch counter now, so later readers can correct by what was sent since.
+    pub fn record(
+        &mut self,
+        index: usize,
+        body: Option<&[u8]>,
+        now_ms: u64,
+        dispatches: u64,
+    ) -> Result<(), ReportError> {
+        self.schedule.finished(index);
+        let Some(worker) = self.workers.get(index) else {
+            return Ok(());
+        };
+        let Some(body) = body else { return Ok(()) };
+        let (kind, reports) = match self.source {
+            LoadSource::SglangLoads => (ReportKind::Native, parse_v1_loads(body)?),
+            LoadSource::SglangGetLoad => (ReportKind::Basic, parse_get_load(body)?),
+            LoadSource::Prometheus => (ReportKind::Basic, parse_prometheus(body)?),
+            LoadSource::None => return Ok(()),
+        };
+        self.table.record(
+            &worker.id,
+            worker.dp_size,
+            kind,
+            reports,
+            now_ms,
+            dispatches,
+        );
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// The table to publish, once per change.
+    pub fn take_publication(&mut self) -> Option<Vec<u8>> {
+        if !std::mem::take(&mut self.dirty) {
+            return None;
+        }
+        serde_json::to_vec(&self.table).ok()
+    }
+
+    pub fn table(&self) -> &LoadTable {
+        &self.table
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policies::testing::worker;
+
+    fn poller(source: LoadSource) -> LoadPoller {
+        let config = LoadConfig {
+            source,
+            interval_ms: 100,
+            ..LoadConfig::default()
+        };
+        LoadPoller::new(&config, &[worker("A"), worker("B")])
+    }
+
+    #[test]
+    fn each_source_reads_its_endpoint() {
+        assert_eq!(poller(LoadSource::SglangLoads).path(), Some("/v1/loads"));
+        assert_eq!(poller(LoadSource::SglangGetLoad).path(), Some("/get_load"));
+        assert_eq!(poller(LoadSource::Prometheus).path(), Some("/metrics"));
+        let mut none = poller(LoadSource::None);
+        assert_eq!(none.path(), None);
+        assert!(none.due(0).is_empty(), "nothing is polled without a source");
+    }
+
+    #[test]
+    fn a_successful_poll_is_published_once() {
+        let mut p = poller(LoadSource::SglangGetLoad);
+        assert_eq!(p.due(0), vec![0, 1]);
+        p.record(
+            0,
+            Some(br#"[{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 5}]"#),
+            10,
+            7,
+        )
+        .unwrap();
+        let published: LoadTable = serde_json::from_slice(&p.take_publication().unwrap()).unwrap();
+        let a = published.snapshot(10, 1000).get("A").cloned().unwrap();
+        assert_eq!(
+            (a.running, a.waiting, a.kind, a.dispatches_at_report),
+            (Some(2), Some(1), ReportKind::Basic, 7)
+        );
+        assert!(p.take_publication().is_none(), "nothing new to publish");
+    }
+
+    #[test]
+    fn a_failed_or_garbled_poll_records_nothing() {
+        let mut p = poller(LoadSource::SglangLoads);
+        p.due(0);
+        p.record(0, None, 10, 0).unwrap();
+        assert!(p.record(1, Some(b"<html>"), 10, 0).is_err());
+        assert!(p.take_publication().is_none());
+        assert_eq!(
+            p.due(100),
+            vec![0, 1],
+            "both polls finished and are due again"
+        );
+    }
+}
