@@ -562,3 +562,81 @@ pub fn sse_events(body: &str) -> Vec<String> {
         })
         .collect()
 }
+
+impl Envoy {
+    /// The value of one Prometheus sample, e.g. `sgl_router_inflight{worker="A"}`.
+    pub fn metric(&self, sample: &str) -> Option<f64> {
+        self.admin("/stats/prometheus").lines().find_map(|l| {
+            l.strip_prefix(sample)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+    }
+}
+
+impl Deployment {
+    /// Waits until the service has published health and has a fresh load report for `workers`
+    /// engines (pass 0 when `load.source` is `none`).
+    pub fn wait_for_service(&self, workers: usize) {
+        wait_for(
+            "the service's first health and load data",
+            Duration::from_secs(20),
+            || {
+                let health = self.envoy.metric("sgl_router_health_published{}")? >= 1.0;
+                let fresh = self.envoy.metric("sgl_router_fresh_load_reports{}")? >= workers as f64;
+                (health && fresh).then_some(())
+            },
+        );
+    }
+
+    /// The in-flight count the filters share, as the service exports it.
+    pub fn inflight(&self, worker: &str) -> f64 {
+        self.envoy
+            .metric(&format!("sgl_router_inflight{{worker=\"{worker}\"}}"))
+            .unwrap_or(-1.0)
+    }
+
+    /// Waits until every listed worker's shared in-flight count is zero.
+    pub fn wait_for_idle(&self, workers: &[&str]) {
+        wait_for(
+            "every in-flight count back to zero",
+            Duration::from_secs(20),
+            || {
+                workers
+                    .iter()
+                    .all(|w| self.inflight(w) == 0.0)
+                    .then_some(())
+            },
+        );
+    }
+}
+
+/// A PD router configuration over `sims`: `buckets` are (id, rank, max input, context, prefill ids,
+/// decode ids). Admission caps running requests at 64 everywhere, as the design's example.
+pub fn pd_router(sims: &[Sim], buckets: &[(&str, i64, u64, u64, &[&str], &[&str])]) -> Value {
+    let buckets: Vec<Value> = buckets
+        .iter()
+        .map(|(id, rank, max, ctx, prefill, decode)| {
+            json!({
+                "id": id, "rank": rank, "limits": {"min": 0, "max": max}, "max_context_tokens": ctx,
+                "groups": {"pd": {
+                    "prefill": {"worker_ids": prefill, "policy": {"type": "power_of_two", "admission": {"max_running_requests": 64}}},
+                    "decode": {"worker_ids": decode, "policy": {"type": "power_of_two", "admission": {"max_running_requests": 64}}},
+                }}
+            })
+        })
+        .collect();
+    json!({
+        "workers": sims.iter().map(Sim::worker_json).collect::<Vec<_>>(),
+        "load": {"interval_ms": 100, "stale_after_ms": 1000},
+        "health": {"interval_ms": 200, "timeout_ms": 150},
+        "pd": {"prefill_timeout_ms": 10000},
+        "models": {"demo-model": {"buckets": buckets}}
+    })
+}
+
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

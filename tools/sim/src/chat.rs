@@ -69,17 +69,12 @@ pub async fn chat_completions(
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let rooms = pd::rooms_of(&body);
-    let bootstrap_host = body
-        .get("bootstrap_host")
-        .and_then(Value::as_str)
-        .map(str::to_string);
-    let bootstrap_port = body.get("bootstrap_port").and_then(Value::as_u64);
     engine.record(RequestRecord {
         path: uri.path().to_string(),
         stream,
         bootstrap_room: body.get("bootstrap_room").cloned(),
-        bootstrap_host: bootstrap_host.clone(),
-        bootstrap_port,
+        bootstrap_host: body.get("bootstrap_host").cloned(),
+        bootstrap_port: body.get("bootstrap_port").cloned(),
         received_ms,
         finished_ms: None,
         status: 0,
@@ -88,16 +83,7 @@ pub async fn chat_completions(
             .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
             .collect(),
     });
-    let response = serve(
-        &engine,
-        body,
-        stream,
-        rooms,
-        bootstrap_host,
-        bootstrap_port,
-        received_ms,
-    )
-    .await;
+    let response = serve(&engine, body, stream, rooms, received_ms).await;
     if !stream || !response.status().is_success() {
         engine.finish_record(received_ms, response.status().as_u16());
     }
@@ -109,8 +95,6 @@ async fn serve(
     body: Value,
     stream: bool,
     rooms: Vec<u64>,
-    bootstrap_host: Option<String>,
-    bootstrap_port: Option<u64>,
     received_ms: u64,
 ) -> Response {
     let fault = engine.control().chat.clone();
@@ -125,14 +109,14 @@ async fn serve(
         );
     }
     if engine.role == Role::Decode {
-        let (Some(host), Some(port)) = (bootstrap_host, bootstrap_port) else {
+        let Some(targets) = pd::targets_of(&body, &rooms) else {
             return error(
                 StatusCode::BAD_REQUEST,
                 "BadRequestError",
                 "Disaggregated request received without bootstrap host and port",
             );
         };
-        if let Err(message) = pd::await_prefill(engine, &host, port, &rooms).await {
+        if let Err(message) = pd::await_prefill(engine, &targets).await {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "InternalServerError",
@@ -172,6 +156,10 @@ async fn serve(
     let tokens = if engine.role == Role::Prefill {
         for room in &rooms {
             engine.rooms.finish(*room);
+        }
+        let linger = engine.control().prefill_linger_ms;
+        if linger > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(linger)).await;
         }
         1
     } else {

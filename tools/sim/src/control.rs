@@ -39,6 +39,9 @@ pub struct Fault {
 #[derive(Debug, Clone, Serialize)]
 pub struct Control {
     pub token_delay_ms: u64,
+    /// Prefill engines: how long the prefill answer waits after its rooms are finished (the
+    /// decode side can already generate).
+    pub prefill_linger_ms: u64,
     pub pinned: Option<PinnedLoad>,
     pub health: Fault,
     pub loads: Fault,
@@ -50,6 +53,7 @@ impl Control {
     pub fn new(token_delay_ms: u64) -> Self {
         Self {
             token_delay_ms,
+            prefill_linger_ms: 0,
             pinned: None,
             health: Fault::default(),
             loads: Fault::default(),
@@ -66,6 +70,7 @@ pub struct ControlUpdate {
     #[serde(default)]
     reset: bool,
     token_delay_ms: Option<u64>,
+    prefill_linger_ms: Option<u64>,
     #[serde(default, with = "double_option")]
     pin: Option<Option<PinnedLoad>>,
     health: Option<Fault>,
@@ -103,6 +108,9 @@ pub async fn update(State(engine): State<Arc<Engine>>, body: axum::body::Bytes) 
     }
     if let Some(d) = update.token_delay_ms {
         control.token_delay_ms = d;
+    }
+    if let Some(d) = update.prefill_linger_ms {
+        control.prefill_linger_ms = d;
     }
     if let Some(pin) = update.pin {
         control.pinned = pin;

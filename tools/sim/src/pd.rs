@@ -114,15 +114,29 @@ pub fn rooms_of(body: &serde_json::Value) -> Vec<u64> {
     }
 }
 
-/// The decode side: waits until the prefill engine at `host:port` finished every room.
-pub async fn await_prefill(
-    engine: &Engine,
-    host: &str,
-    port: u64,
-    rooms: &[u64],
-) -> Result<(), String> {
+/// Where each room's prefill engine is: `bootstrap_host`/`bootstrap_port` are one value for all
+/// rooms, or arrays with one entry per room.
+pub fn targets_of(body: &serde_json::Value, rooms: &[u64]) -> Option<Vec<(String, u64, u64)>> {
+    let nth = |field: &str, i: usize| -> Option<serde_json::Value> {
+        match body.get(field)? {
+            serde_json::Value::Array(a) => a.get(i).cloned(),
+            v => Some(v.clone()),
+        }
+    };
+    rooms
+        .iter()
+        .enumerate()
+        .map(|(i, room)| {
+            let host = nth("bootstrap_host", i)?.as_str()?.to_string();
+            Some((host, nth("bootstrap_port", i)?.as_u64()?, *room))
+        })
+        .collect()
+}
+
+/// The decode side: waits until each room's prefill engine finished it.
+pub async fn await_prefill(engine: &Engine, targets: &[(String, u64, u64)]) -> Result<(), String> {
     let timeout_ms = engine.args.bootstrap_timeout_ms;
-    for room in rooms {
+    for (host, port, room) in targets {
         let host_part = if host.contains(':') {
             format!("[{host}]")
         } else {
