@@ -45,6 +45,8 @@ async fn main() -> std::io::Result<()> {
         )
         .route("/sim/control", post(control::update))
         .route("/sim/state", get(control::state))
+        // SGLang accepts large prompts; the router's own 32 MiB limit is what a test exercises.
+        .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
         .layer(axum::middleware::map_response(
             move |mut response: axum::response::Response| {
                 let id = engine_id.clone();

@@ -1,0 +1,300 @@
+//! Live load and admission through real Envoy: the service's reports, admission across buckets,
+//! staleness, and in-flight accounting under mixed traffic.
+
+#![cfg(not(target_arch = "wasm32"))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn plain_with(sims: &[Sim], buckets: Value) -> Value {
+    json!({
+        "workers": sims.iter().map(Sim::worker_json).collect::<Vec<_>>(),
+        "load": {"interval_ms": 100, "stale_after_ms": 1000},
+        "health": {"interval_ms": 200, "timeout_ms": 150},
+        "models": {"demo-model": {"buckets": buckets}}
+    })
+}
+
+/// Waits until the service has seen a pinned value, by letting two poll rounds pass.
+fn let_reports_refresh() {
+    std::thread::sleep(Duration::from_millis(600));
+}
+
+fn served(d: &Deployment, n: usize) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for i in 0..n {
+        let r = d.chat(&chat_body(&format!("q{i}"), 1, false));
+        assert_eq!(r.status, 200, "{}", r.body);
+        *counts.entry(r.engine()).or_default() += 1;
+    }
+    counts
+}
+
+#[test]
+fn an_admission_rejection_in_the_first_bucket_advances_and_all_rejected_is_a_503_listing_each() {
+    let d = Deployment::start(
+        "admission_buckets",
+        vec![SimSpec::plain("A"), SimSpec::plain("B")],
+        |sims| {
+            plain_with(
+                sims,
+                json!([
+                    {"id": "small", "limits": {"max": 1000}, "groups": {"plain": {"worker_ids": ["A"],
+                        "policy": {"type": "power_of_two", "admission": {"max_running_requests": 8}}}}},
+                    {"id": "big", "limits": {"max": 100000}, "groups": {"plain": {"worker_ids": ["B"],
+                        "policy": {"type": "load_based", "admission": {"max_waiting_requests": 4}}}}}
+                ]),
+            )
+        },
+    );
+    d.wait_for_service(2);
+    let r = d.chat(&chat_body("hi", 1, false));
+    assert_eq!(
+        (r.header("x-sgl-bucket"), r.engine().as_str()),
+        (Some("small"), "A")
+    );
+
+    d.sim("A").control(json!({"pin": {"running": 8}}));
+    let_reports_refresh();
+    let r = d.chat(&chat_body("hi", 1, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        (r.header("x-sgl-bucket"), r.engine().as_str()),
+        (Some("big"), "B"),
+        "advanced to the next bucket"
+    );
+
+    d.sim("B").control(json!({"pin": {"waiting": 4}}));
+    let_reports_refresh();
+    let r = d.chat(&chat_body("hi", 1, false));
+    assert_eq!(r.status, 503, "{}", r.body);
+    let e = r.json();
+    assert_eq!(e["error"]["type"], "AdmissionRejected");
+    let message = e["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("small/plain/A: max_running_requests"),
+        "{message}"
+    );
+    assert!(
+        message.contains("big/plain/B: max_waiting_requests"),
+        "{message}"
+    );
+    assert!(
+        d.envoy
+            .metric("sgl_router_admission_rejections_total{limit=\"max_running_requests\"}")
+            .unwrap_or(0.0)
+            >= 2.0
+    );
+    assert!(
+        d.envoy
+            .metric("sgl_router_requests_total{outcome=\"AdmissionRejected\"}")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+}
+
+#[test]
+fn a_body_over_32_mib_is_a_413_from_the_filter() {
+    let d = Deployment::start("too_large", vec![SimSpec::plain("A")], |sims| {
+        plain_with(
+            sims,
+            json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]),
+        )
+    });
+    let big = "x".repeat(33 * 1024 * 1024);
+    let r = d.chat(&chat_body(&big, 1, false));
+    assert_eq!(r.status, 413, "{}", &r.body[..r.body.len().min(300)]);
+    let v = r.json();
+    assert_eq!(
+        (v["error"]["type"].as_str(), v["error"]["code"].as_u64()),
+        (Some("payload_too_large"), Some(413))
+    );
+    assert_eq!(d.sim("A").state()["served"], 0);
+    // A body just under the limit is routed.
+    let fits = "x".repeat(31 * 1024 * 1024);
+    assert_eq!(d.chat(&chat_body(&fits, 1, false)).status, 200);
+}
+
+#[test]
+fn power_of_two_avoids_an_engine_with_a_long_reported_waiting_queue() {
+    let d = Deployment::start(
+        "p2c_queue",
+        vec![SimSpec::plain("A"), SimSpec::plain("B")],
+        |sims| {
+            plain_with(
+                sims,
+                json!([{"id": "all", "groups": {"plain": {"policy": {"type": "power_of_two"}}}}]),
+            )
+        },
+    );
+    d.wait_for_service(2);
+    d.sim("A").control(json!({"pin": {"waiting": 50}}));
+    let_reports_refresh();
+    let counts = served(&d, 20);
+    assert_eq!(counts.get("B"), Some(&20), "{counts:?}");
+    assert!(
+        d.envoy
+            .metric("sgl_router_picks_total{stage=\"plain\",worker=\"B\"}")
+            .unwrap_or(0.0)
+            >= 20.0
+    );
+}
+
+#[test]
+fn a_stale_report_fails_open_and_falls_back_to_router_local_counts() {
+    let d = Deployment::start(
+        "stale_report",
+        vec![SimSpec::plain("A"), SimSpec::plain("B")],
+        |sims| {
+            plain_with(
+                sims,
+                json!([{"id": "all", "groups": {"plain": {"policy": {"type": "power_of_two", "admission": {"max_waiting_requests": 10}}}}}]),
+            )
+        },
+    );
+    d.wait_for_service(2);
+    // A is over its cap and B has a short queue: everything goes to B, and A alone is rejected.
+    d.sim("A").control(json!({"pin": {"waiting": 50}}));
+    d.sim("B").control(json!({"pin": {"waiting": 5}}));
+    let_reports_refresh();
+    assert_eq!(served(&d, 10).get("B"), Some(&10));
+
+    // Only A's load endpoint fails: its report goes stale and is never reused.
+    d.sim("A").control(json!({"loads": {"status": 500}}));
+    wait_for("A's report to go stale", Duration::from_secs(10), || {
+        (d.envoy
+            .metric("sgl_router_fresh_load_report{worker=\"A\"}")?
+            == 0.0)
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // Unknown is not zero load (A would win every comparison against B's 5) and not the old 50
+    // (A would lose every one): both sampled engines are compared by router-local counts, which
+    // are equal, so both serve; and A's stale cap no longer rejects.
+    let counts = served(&d, 40);
+    assert!(counts.get("A").copied().unwrap_or(0) >= 5, "{counts:?}");
+    assert!(counts.get("B").copied().unwrap_or(0) >= 5, "{counts:?}");
+}
+
+#[test]
+fn in_flight_counts_rise_under_mixed_traffic_and_all_return_to_zero() {
+    let specs = vec![
+        SimSpec::plain("A").model("plain-model"),
+        SimSpec::plain("B").model("plain-model"),
+        SimSpec::prefill("P1"),
+        SimSpec::prefill("P2"),
+        SimSpec::decode("D1"),
+    ];
+    let d = Deployment::start("mixed_traffic", specs, |sims| {
+        let mut router = pd_router(
+            sims,
+            &[("pd", 0, 1_000_000, 2_000_000, &["P1", "P2"], &["D1"])],
+        );
+        router["models"]["plain-model"] = json!({"buckets": [{"id": "plain", "groups": {"plain": {"policy": {"type": "load_based"}}}}]});
+        router
+    });
+    for sim in &d.sims {
+        sim.control(json!({"token_delay_ms": 10}));
+    }
+    // P2 fails every prefill: about half the PD requests end in PrefillFailed.
+    d.sim("P2").control(json!({"chat": {"status": 500}}));
+    d.wait_for_service(5);
+
+    let workers = ["A", "B", "P1", "P2", "D1"];
+    let stop = Arc::new(AtomicBool::new(false));
+    let max_seen = {
+        let url = d.envoy.admin_port;
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut max = 0.0f64;
+            while !stop.load(Ordering::SeqCst) {
+                if let Ok(mut r) = agent()
+                    .get(&format!("http://127.0.0.1:{url}/stats/prometheus"))
+                    .call()
+                {
+                    let text = r.body_mut().read_to_string().unwrap_or_default();
+                    for l in text
+                        .lines()
+                        .filter(|l| l.starts_with("sgl_router_inflight{"))
+                    {
+                        max = max.max(
+                            l.rsplit(' ')
+                                .next()
+                                .and_then(|v| v.parse().ok())
+                                .unwrap_or(0.0),
+                        );
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            max
+        })
+    };
+
+    let url = d.envoy.url("/v1/chat/completions");
+    let clients: Vec<_> = (0..10)
+        .map(|c| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let mut outcomes: HashMap<u16, usize> = HashMap::new();
+                for i in 0..50 {
+                    let kind = (c * 50 + i) % 5;
+                    let mut body = chat_body(&format!("client {c} request {i}"), 20, kind % 2 == 1);
+                    if kind >= 3 {
+                        body["model"] = json!("plain-model");
+                    }
+                    let response = agent()
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .send(body.to_string())
+                        .unwrap();
+                    let status = response.status().as_u16();
+                    let mut reader = response.into_body().into_reader();
+                    if kind == 4 {
+                        // Abort a stream midway: read a little, then hang up.
+                        let mut first = [0u8; 64];
+                        let _ = reader.read(&mut first);
+                        drop(reader);
+                    } else {
+                        let mut rest = String::new();
+                        let _ = reader.read_to_string(&mut rest);
+                    }
+                    *outcomes.entry(status).or_default() += 1;
+                }
+                outcomes
+            })
+        })
+        .collect();
+    let mut outcomes: HashMap<u16, usize> = HashMap::new();
+    for c in clients {
+        for (status, n) in c.join().unwrap() {
+            *outcomes.entry(status).or_default() += n;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    stop.store(true, Ordering::SeqCst);
+    let max = max_seen.join().unwrap();
+
+    assert_eq!(outcomes.values().sum::<usize>(), 500);
+    // Every plain request succeeds (aborted streams started with 200); the failing prefill engine
+    // answers at once and so looks least loaded, which is why PD failures can exceed half.
+    assert!(
+        outcomes.get(&200).copied().unwrap_or(0) >= 200,
+        "{outcomes:?}"
+    );
+    assert!(
+        outcomes.get(&502).copied().unwrap_or(0) >= 20,
+        "prefill failures happened: {outcomes:?}"
+    );
+    assert!(max > 0.0, "in-flight counts rose above zero during the run");
+    d.wait_for_idle(&workers);
+}
