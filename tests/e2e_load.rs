@@ -298,3 +298,46 @@ fn in_flight_counts_rise_under_mixed_traffic_and_all_return_to_zero() {
     assert!(max > 0.0, "in-flight counts rose above zero during the run");
     d.wait_for_idle(&workers);
 }
+
+#[test]
+fn the_circuit_breaker_opens_on_consecutive_failures_and_a_probe_closes_it() {
+    let d = Deployment::start(
+        "breaker",
+        vec![SimSpec::plain("A"), SimSpec::plain("B")],
+        |sims| {
+            let mut router = plain_with(
+                sims,
+                json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]),
+            );
+            router["circuit_breaker"] = json!({"failure_threshold": 2, "cooldown_ms": 1500});
+            router
+        },
+    );
+    d.sim("A").control(json!({"chat": {"status": 500}}));
+    let mut failures = 0;
+    for i in 0..8 {
+        let r = d.chat(&chat_body(&format!("q{i}"), 1, false));
+        if r.status == 500 {
+            failures += 1;
+        }
+    }
+    assert_eq!(failures, 2, "A is taken out after two consecutive failures");
+    d.sim("A").control(json!({"chat": {"status": null}}));
+    assert_eq!(
+        served(&d, 6).get("B"),
+        Some(&6),
+        "open: A gets nothing during the cool-down"
+    );
+    std::thread::sleep(Duration::from_millis(1600));
+    wait_for(
+        "the probe to close A's breaker",
+        Duration::from_secs(10),
+        || served(&d, 4).contains_key("A").then_some(()),
+    );
+    let counts = served(&d, 10);
+    assert_eq!(
+        (counts.get("A"), counts.get("B")),
+        (Some(&5), Some(&5)),
+        "closed again: {counts:?}"
+    );
+}

@@ -24,6 +24,8 @@ pub struct StateHandles {
     pub load: Arc<dyn LoadView>,
     pub inflight: Arc<dyn InflightTable>,
     pub random: Arc<dyn RandomSource>,
+    /// For policies that await a remote answer.
+    pub callouts: Arc<dyn crate::host::Callouts>,
 }
 
 pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
@@ -147,6 +149,7 @@ pub fn check(config: &RouterConfig) -> Result<(), ConfigErrors> {
         load: Arc::new(crate::state::load_monitor::StaticLoad::default()),
         inflight: Arc::new(crate::state::load_monitor::MemoryInflight::default()),
         random: Arc::new(crate::policies::SeededRandom::new(0)),
+        callouts: Arc::new(crate::host::MemoryCallouts::default()),
         host,
     };
     build_resolvers(config, &handles).map(|_| ())

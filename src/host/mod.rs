@@ -1,8 +1,12 @@
 //! The host the core runs on: shared data with cas, a clock and randomness. In Envoy it is
 //! proxy-wasm (`proxy/host.rs`); in unit tests it is [`MemoryHost`].
 
+pub mod callouts;
 mod memory;
 
+pub use callouts::{
+    CalloutBoard, CalloutFuture, CalloutRequest, CalloutResponse, Callouts, MemoryCallouts,
+};
 pub use memory::MemoryHost;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -15,6 +15,7 @@ use proxy_wasm::types::Action;
 
 use super::host::clear_route_cache;
 use super::stats::Stats;
+use crate::host::CalloutResponse;
 use crate::registry::Worker;
 use crate::server::app_context::{PendingChat, Target};
 use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};
@@ -51,6 +52,8 @@ pub struct Filter {
     /// Session and routing-key headers, read while request headers may still be read.
     keys: HashMap<String, String>,
     pending: Option<(PendingChat, Instant)>,
+    /// Callouts the pending selection waits on; empty means nothing can wake it.
+    awaiting: Vec<u32>,
     decision: Option<Decision>,
     prefill: Option<PrefillCall>,
     /// The decode or plain engine's slot, held for the life of the stream; dropped in `on_log`.
@@ -69,6 +72,7 @@ impl Filter {
             body_size: 0,
             keys: HashMap::new(),
             pending: None,
+            awaiting: Vec::new(),
             decision: None,
             prefill: None,
             inflight: None,
@@ -94,17 +98,30 @@ impl Filter {
     }
 
     fn poll_selection(&mut self) -> Action {
+        let callouts = Arc::clone(&self.app.borrow().handles().callouts);
         let Some((pending, started)) = self.pending.as_mut() else {
             return Action::Continue;
         };
-        let outcome = match pending.poll() {
+        let before = callouts.board().tokens();
+        let polled = pending.poll();
+        self.awaiting.extend(
+            callouts
+                .board()
+                .tokens()
+                .into_iter()
+                .filter(|t| !before.contains(t)),
+        );
+        self.awaiting
+            .retain(|t| callouts.board().is_outstanding(*t));
+        let outcome = match polled {
             Poll::Ready(outcome) => outcome,
+            // Polled again when one of its callouts answers (each has a timeout).
+            Poll::Pending if !self.awaiting.is_empty() => return Action::Pause,
             Poll::Pending => {
-                // Only a callout this context made can wake the future; none is outstanding.
                 self.pending = None;
                 return self.fail(&RouteError::new(
                     ErrorKind::InvalidConfiguration,
-                    "the selection is waiting on a callout that was never made",
+                    "the selection is waiting, but on no callout",
                 ));
             }
         };
@@ -212,7 +229,7 @@ impl Context for Filter {
         &mut self,
         token: u32,
         _headers: usize,
-        _body_size: usize,
+        body_size: usize,
         _trailers: usize,
     ) {
         if self.prefill.as_ref().is_some_and(|p| p.token == token) {
@@ -222,7 +239,20 @@ impl Context for Filter {
             self.on_prefill_done(status.starts_with('2'), &status);
             return;
         }
-        if self.pending.is_some() && self.poll_selection() == Action::Continue {
+        if !self.awaiting.contains(&token) {
+            return;
+        }
+        let status = self
+            .get_http_call_response_header(":status")
+            .and_then(|s| s.parse().ok());
+        let body = self
+            .get_http_call_response_body(0, body_size)
+            .unwrap_or_default();
+        let callouts = Arc::clone(&self.app.borrow().handles().callouts);
+        callouts
+            .board()
+            .complete(token, CalloutResponse { status, body });
+        if self.poll_selection() == Action::Continue {
             self.resume_http_request();
         }
     }

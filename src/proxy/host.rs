@@ -53,3 +53,47 @@ pub fn clear_route_cache() {
         log::debug!("clear_route_cache unavailable: {status:?}");
     }
 }
+
+/// Policy callouts over `dispatch_http_call`. The answer is delivered to the HTTP context that was
+/// active at dispatch, which completes the board.
+#[derive(Debug, Default)]
+pub struct ProxyCallouts {
+    board: crate::host::CalloutBoard,
+}
+
+impl crate::host::Callouts for ProxyCallouts {
+    fn dispatch(
+        &self,
+        request: crate::host::CalloutRequest,
+    ) -> Result<crate::host::CalloutFuture, HostError> {
+        let mut headers: Vec<(&str, &str)> = vec![
+            (":method", request.method.as_str()),
+            (":path", request.path.as_str()),
+            (":authority", request.authority.as_str()),
+        ];
+        headers.extend(
+            request
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        let timeout = std::time::Duration::from_millis(request.timeout_ms);
+        match hostcalls::dispatch_http_call(
+            &request.cluster,
+            headers,
+            request.body.as_deref(),
+            vec![],
+            timeout,
+        ) {
+            Ok(token) => Ok(self.board.register(token)),
+            Err(status) => Err(HostError::Failed(format!(
+                "dispatch_http_call({}): {status:?}",
+                request.cluster
+            ))),
+        }
+    }
+
+    fn board(&self) -> &crate::host::CalloutBoard {
+        &self.board
+    }
+}

@@ -9,7 +9,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
 use super::filter::Filter;
-use super::host::ProxyHost;
+use super::host::{ProxyCallouts, ProxyHost};
 use super::service::Service;
 use super::stats::Stats;
 use crate::config;
@@ -91,6 +91,7 @@ impl RootContext for Root {
                     )),
                     inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
                     random: Arc::new(SeededRandom::from_host(host.as_ref())),
+                    callouts: Arc::new(ProxyCallouts::default()),
                     host,
                 };
                 match AppContext::new(parsed, handles) {

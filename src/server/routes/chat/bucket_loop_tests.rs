@@ -358,3 +358,97 @@ proptest! {
         }
     }
 }
+
+/// A policy that asks a remote service which engine to use.
+#[derive(Debug)]
+struct AskRemote(Arc<crate::host::MemoryCallouts>);
+
+impl crate::policies::Policy for AskRemote {
+    fn pick<'a>(
+        &'a self,
+        engines: &'a [Arc<Worker>],
+        _: &'a crate::policies::PickRequest<'a>,
+    ) -> BoxFuture<'a, Result<crate::policies::Pick, PickError>> {
+        use crate::host::Callouts;
+        Box::pin(async move {
+            let request = crate::host::CalloutRequest {
+                cluster: "indexer".into(),
+                method: "GET".into(),
+                path: "/which".into(),
+                authority: "indexer".into(),
+                headers: vec![],
+                body: None,
+                timeout_ms: 100,
+            };
+            let answer = self
+                .0
+                .dispatch(request)
+                .map_err(|e| PickError::InvalidSignal(e.to_string()))?
+                .await;
+            let id = String::from_utf8_lossy(&answer.body).to_string();
+            engines
+                .iter()
+                .find(|w| w.id == id)
+                .map(|w| crate::policies::Pick {
+                    worker: Arc::clone(w),
+                    reason: crate::policies::PickReason::Rotation,
+                })
+                .ok_or_else(|| PickError::no_candidates("remote named no candidate"))
+        })
+    }
+}
+
+#[test]
+fn a_selection_waits_for_a_policys_callout_and_finishes_when_it_answers() {
+    use crate::host::{CalloutResponse, Callouts};
+    let callouts = Arc::new(crate::host::MemoryCallouts::default());
+    let bucket = Bucket {
+        id: "b".into(),
+        rank: 0,
+        min_input: 0,
+        max_input: None,
+        max_context: None,
+        groups: BucketGroups::Plain(EngineGroup::new(
+            Role::Plain,
+            Arc::new(AskRemote(Arc::clone(&callouts))),
+        )),
+    };
+    let live = live(vec![
+        worker_with("A", Role::Plain, "m"),
+        worker_with("B", Role::Plain, "m"),
+    ]);
+    let mut future = select(
+        Arc::new(BucketResolver::new(vec![bucket])),
+        live,
+        request(10, None),
+    );
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(
+        future.as_mut().poll(&mut cx).is_pending(),
+        "waiting on the callout"
+    );
+    assert_eq!(
+        callouts.sent.lock().unwrap().len(),
+        1,
+        "exactly one callout"
+    );
+    assert!(
+        future.as_mut().poll(&mut cx).is_pending(),
+        "still waiting; no second callout"
+    );
+    assert_eq!(callouts.sent.lock().unwrap().len(), 1);
+    callouts.board().complete(
+        1,
+        CalloutResponse {
+            status: Some(200),
+            body: b"B".to_vec(),
+        },
+    );
+    match future.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(Ok(Selection {
+            pick: BucketPick::Plain(p),
+            ..
+        })) => assert_eq!(p.worker.id, "B"),
+        other => panic!("expected a selection, got {other:?}"),
+    }
+}
