@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-const SHORT: (&str, i64, u64, u64, &[&str], &[&str]) = (
+const SHORT: PdBucket<'static> = (
     "short-context",
     10,
     4096,
@@ -19,7 +19,7 @@ const SHORT: (&str, i64, u64, u64, &[&str], &[&str]) = (
     &["P1", "P2"],
     &["D1", "D2"],
 );
-const LONG: (&str, i64, u64, u64, &[&str], &[&str]) = (
+const LONG: PdBucket<'static> = (
     "long-context",
     20,
     131_072,

@@ -1,5 +1,6 @@
 //! State shared between the service and every worker VM, kept in the host's shared data.
 
+pub mod affinity_store;
 pub mod breaker;
 pub mod health;
 pub mod keys;

@@ -610,9 +610,12 @@ impl Deployment {
     }
 }
 
-/// A PD router configuration over `sims`: `buckets` are (id, rank, max input, context, prefill ids,
-/// decode ids). Admission caps running requests at 64 everywhere, as the design's example.
-pub fn pd_router(sims: &[Sim], buckets: &[(&str, i64, u64, u64, &[&str], &[&str])]) -> Value {
+/// A PD bucket for [`pd_router`]: id, rank, max input, context, prefill ids, decode ids.
+pub type PdBucket<'a> = (&'a str, i64, u64, u64, &'a [&'a str], &'a [&'a str]);
+
+/// A PD router configuration over `sims`. Admission caps running requests at 64 everywhere, as
+/// the design's example.
+pub fn pd_router(sims: &[Sim], buckets: &[PdBucket<'_>]) -> Value {
     let buckets: Vec<Value> = buckets
         .iter()
         .map(|(id, rank, max, ctx, prefill, decode)| {
