@@ -12,13 +12,11 @@ use sgl_envoy_router::config::{AdmissionLimits, Role};
 use sgl_envoy_router::host::{Host, MemoryHost};
 use sgl_envoy_router::policies::admission::AdmissionGate;
 use sgl_envoy_router::policies::{
-    LeastLoadPolicy, MemoryCursor, PickRequest, Policy, PowerOfTwoPolicy, RandomPolicy,
-    RoundRobinPolicy, SeededRandom, SharedCursor,
+    LeastLoadPolicy, MemoryCursor, PickRequest, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, SeededRandom,
+    SharedCursor,
 };
 use sgl_envoy_router::registry::{EngineAddress, Worker};
-use sgl_envoy_router::state::load_monitor::{
-    EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad,
-};
+use sgl_envoy_router::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
 
 fn workers(n: usize) -> Vec<Arc<Worker>> {
     (0..n)
@@ -27,10 +25,7 @@ fn workers(n: usize) -> Vec<Arc<Worker>> {
                 id: format!("w{i:04}"),
                 model: "m".into(),
                 role: Role::Plain,
-                address: EngineAddress {
-                    host: "127.0.0.1".into(),
-                    port: 1,
-                },
+                address: EngineAddress { host: "127.0.0.1".into(), port: 1 },
                 cluster: format!("sgl_w{i:04}"),
                 bootstrap_port: None,
                 dp_size: 1,
@@ -80,11 +75,7 @@ fn time(label: &str, iterations: u32, mut op: impl FnMut()) {
 }
 
 fn main() {
-    let target = if cfg!(target_arch = "wasm32") {
-        "wasm32-wasip1 (Node)"
-    } else {
-        "native"
-    };
+    let target = if cfg!(target_arch = "wasm32") { "wasm32-wasip1 (Node)" } else { "native" };
     println!("selection core, {target}");
     let request = PickRequest {
         model: "m",
@@ -96,58 +87,29 @@ fn main() {
         session_key: None,
         routing_key: None,
     };
-    let limits = AdmissionLimits {
-        max_running_requests: Some(1_000),
-        max_inflight_requests: Some(1_000),
-        ..Default::default()
-    };
+    let limits =
+        AdmissionLimits { max_running_requests: Some(1_000), max_inflight_requests: Some(1_000), ..Default::default() };
     for n in [8usize, 64, 512] {
         let ws = workers(n);
         let load = Arc::new(StaticLoad::new(loads(&ws)));
         let inflight = Arc::new(MemoryInflight::default());
-        let gate = AdmissionGate {
-            admission: Arc::new(limits),
-            load: load.clone(),
-            inflight: inflight.clone(),
-        };
+        let gate = AdmissionGate { admission: Arc::new(limits), load: load.clone(), inflight: inflight.clone() };
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
         let policies: Vec<(&str, Box<dyn Policy>)> = vec![
             (
                 "round_robin (local cursor)",
-                Box::new(RoundRobinPolicy::new(
-                    Box::new(MemoryCursor::default()),
-                    gate.clone(),
-                )),
+                Box::new(RoundRobinPolicy::new(Box::new(MemoryCursor::default()), gate.clone())),
             ),
             (
                 "round_robin (shared-data cursor)",
-                Box::new(RoundRobinPolicy::new(
-                    Box::new(SharedCursor::new(host, "m/b/plain")),
-                    gate.clone(),
-                )),
+                Box::new(RoundRobinPolicy::new(Box::new(SharedCursor::new(host, "m/b/plain")), gate.clone())),
             ),
-            (
-                "random",
-                Box::new(RandomPolicy::new(
-                    Arc::new(SeededRandom::new(1)),
-                    gate.clone(),
-                )),
-            ),
-            (
-                "power_of_two",
-                Box::new(PowerOfTwoPolicy::new(
-                    Arc::new(SeededRandom::new(1)),
-                    gate.clone(),
-                )),
-            ),
+            ("random", Box::new(RandomPolicy::new(Arc::new(SeededRandom::new(1)), gate.clone()))),
+            ("power_of_two", Box::new(PowerOfTwoPolicy::new(Arc::new(SeededRandom::new(1)), gate.clone()))),
             ("load_based", Box::new(LeastLoadPolicy::new(gate.clone()))),
         ];
         for (name, policy) in &policies {
-            let iterations = if n >= 512 && *name == "load_based" {
-                20_000
-            } else {
-                200_000
-            };
+            let iterations = if n >= 512 && *name == "load_based" { 20_000 } else { 200_000 };
             time(&format!("pick {name}, {n} engines"), iterations, || {
                 black_box(poll(policy.pick(black_box(&ws), &request)).ok());
             });

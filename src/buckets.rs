@@ -20,20 +20,11 @@ pub struct LiveWorkers {
 
 impl LiveWorkers {
     pub fn new(workers: Arc<[Arc<Worker>]>, unavailable: Arc<HashSet<String>>) -> Self {
-        Self {
-            workers,
-            unavailable,
-        }
+        Self { workers, unavailable }
     }
 
-    fn serving<'a>(
-        &'a self,
-        model: &'a str,
-        stage: Role,
-    ) -> impl Iterator<Item = &'a Arc<Worker>> + 'a {
-        self.workers.iter().filter(move |w| {
-            w.model == model && w.role == stage && !self.unavailable.contains(&w.id)
-        })
+    fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Worker>> + 'a {
+        self.workers.iter().filter(move |w| w.model == model && w.role == stage && !self.unavailable.contains(&w.id))
     }
 }
 
@@ -54,23 +45,11 @@ pub struct EngineGroup {
 impl EngineGroup {
     /// A catch-all group: every healthy engine of the model and stage.
     pub fn new(stage: Role, policy: Arc<dyn Policy>) -> Self {
-        Self {
-            stage,
-            membership: Membership::All,
-            policy,
-        }
+        Self { stage, membership: Membership::All, policy }
     }
 
-    pub fn with_members(
-        stage: Role,
-        members: impl IntoIterator<Item = String>,
-        policy: Arc<dyn Policy>,
-    ) -> Self {
-        Self {
-            stage,
-            membership: Membership::Only(members.into_iter().collect()),
-            policy,
-        }
+    pub fn with_members(stage: Role, members: impl IntoIterator<Item = String>, policy: Arc<dyn Policy>) -> Self {
+        Self { stage, membership: Membership::Only(members.into_iter().collect()), policy }
     }
 
     pub fn stage(&self) -> Role {
@@ -108,9 +87,7 @@ impl EngineGroup {
             if candidates.iter().any(|c| Arc::ptr_eq(c, &pick.worker)) {
                 Ok(pick)
             } else {
-                Err(PickError::OutsideCandidates {
-                    worker: pick.worker.id.clone(),
-                })
+                Err(PickError::OutsideCandidates { worker: pick.worker.id.clone() })
             }
         })
     }
@@ -120,10 +97,7 @@ impl EngineGroup {
 #[derive(Debug)]
 pub enum BucketGroups {
     Plain(EngineGroup),
-    Pd {
-        prefill: EngineGroup,
-        decode: EngineGroup,
-    },
+    Pd { prefill: EngineGroup, decode: EngineGroup },
 }
 
 /// Routing facts prepared once per request; each group call gets its stage-specific view.
@@ -206,21 +180,14 @@ impl Bucket {
             match &self.groups {
                 BucketGroups::Plain(group) => {
                     let r = request.for_stage(&self.id, Role::Plain);
-                    group
-                        .pick(live, &r)
-                        .await
-                        .map(BucketPick::Plain)
-                        .map_err(at(Role::Plain))
+                    group.pick(live, &r).await.map(BucketPick::Plain).map_err(at(Role::Plain))
                 }
                 BucketGroups::Pd { prefill, decode } => {
                     let pr = request.for_stage(&self.id, Role::Prefill);
                     let p = prefill.pick(live, &pr).await.map_err(at(Role::Prefill))?;
                     let dr = request.for_stage(&self.id, Role::Decode);
                     let d = decode.pick(live, &dr).await.map_err(at(Role::Decode))?;
-                    Ok(BucketPick::Pd {
-                        prefill: p,
-                        decode: d,
-                    })
+                    Ok(BucketPick::Pd { prefill: p, decode: d })
                 }
             }
         })
@@ -241,9 +208,7 @@ pub struct BucketResolver {
 
 impl BucketResolver {
     pub fn new(buckets: Vec<Bucket>) -> Self {
-        Self {
-            buckets: buckets.into_iter().map(Arc::new).collect(),
-        }
+        Self { buckets: buckets.into_iter().map(Arc::new).collect() }
     }
 
     pub fn buckets(&self) -> &[Arc<Bucket>] {
@@ -259,18 +224,11 @@ impl BucketResolver {
     ) -> Result<Vec<Arc<Bucket>>, ResolveError> {
         if let Some(peak) = expected_peak_tokens {
             if peak < input_tokens {
-                return Err(ResolveError::PeakBelowInput {
-                    input: input_tokens,
-                    peak,
-                });
+                return Err(ResolveError::PeakBelowInput { input: input_tokens, peak });
             }
         }
-        let mut fitting: Vec<Arc<Bucket>> = self
-            .buckets
-            .iter()
-            .filter(|b| b.fits(input_tokens, expected_peak_tokens))
-            .cloned()
-            .collect();
+        let mut fitting: Vec<Arc<Bucket>> =
+            self.buckets.iter().filter(|b| b.fits(input_tokens, expected_peak_tokens)).cloned().collect();
         fitting.sort_by(|a, b| order(a, b));
         Ok(fitting)
     }
@@ -283,9 +241,7 @@ fn order(a: &Bucket, b: &Bucket) -> Ordering {
         (None, Some(_)) => Ordering::Greater,
         (None, None) => Ordering::Equal,
     };
-    capacity
-        .then_with(|| a.rank.cmp(&b.rank))
-        .then_with(|| a.id.cmp(&b.id))
+    capacity.then_with(|| a.rank.cmp(&b.rank)).then_with(|| a.id.cmp(&b.id))
 }
 
 #[cfg(test)]

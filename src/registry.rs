@@ -23,15 +23,11 @@ pub enum AddressError {
 
 impl EngineAddress {
     pub fn parse(url: &str) -> Result<Self, AddressError> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| AddressError::Scheme(url.to_string()))?;
+        let rest = url.strip_prefix("http://").ok_or_else(|| AddressError::Scheme(url.to_string()))?;
         let authority = rest.split('/').next().unwrap_or_default();
         let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
             // [v6]:port
-            let (h, after) = bracketed
-                .split_once(']')
-                .ok_or_else(|| AddressError::NoHost(url.to_string()))?;
+            let (h, after) = bracketed.split_once(']').ok_or_else(|| AddressError::NoHost(url.to_string()))?;
             let port = match after.strip_prefix(':') {
                 Some(p) => p.parse().map_err(|_| AddressError::Port(url.to_string()))?,
                 None if after.is_empty() => 80,
@@ -40,10 +36,7 @@ impl EngineAddress {
             (h.to_string(), port)
         } else {
             match authority.rsplit_once(':') {
-                Some((h, p)) => (
-                    h.to_string(),
-                    p.parse().map_err(|_| AddressError::Port(url.to_string()))?,
-                ),
+                Some((h, p)) => (h.to_string(), p.parse().map_err(|_| AddressError::Port(url.to_string()))?),
                 None => (authority.to_string(), 80),
             }
         };
@@ -123,17 +116,12 @@ impl WorkerRegistry {
     }
 
     pub fn get(&self, id: &str) -> Option<&Arc<Worker>> {
-        self.workers
-            .binary_search_by(|w| w.id.as_str().cmp(id))
-            .ok()
-            .and_then(|i| self.workers.get(i))
+        self.workers.binary_search_by(|w| w.id.as_str().cmp(id)).ok().and_then(|i| self.workers.get(i))
     }
 
     /// Index of a worker in [`Self::all`]; stable for the registry's life.
     pub fn index_of(&self, id: &str) -> Option<usize> {
-        self.workers
-            .binary_search_by(|w| w.id.as_str().cmp(id))
-            .ok()
+        self.workers.binary_search_by(|w| w.id.as_str().cmp(id)).ok()
     }
 }
 
@@ -163,21 +151,9 @@ mod tests {
 
     #[test]
     fn rejects_https_missing_host_and_bad_port() {
-        assert!(matches!(
-            EngineAddress::parse("https://a:1"),
-            Err(AddressError::Scheme(_))
-        ));
-        assert!(matches!(
-            EngineAddress::parse("http://:80"),
-            Err(AddressError::NoHost(_))
-        ));
-        assert!(matches!(
-            EngineAddress::parse("http://a:x"),
-            Err(AddressError::Port(_))
-        ));
-        assert!(matches!(
-            EngineAddress::parse("http://a:0"),
-            Err(AddressError::Port(_))
-        ));
+        assert!(matches!(EngineAddress::parse("https://a:1"), Err(AddressError::Scheme(_))));
+        assert!(matches!(EngineAddress::parse("http://:80"), Err(AddressError::NoHost(_))));
+        assert!(matches!(EngineAddress::parse("http://a:x"), Err(AddressError::Port(_))));
+        assert!(matches!(EngineAddress::parse("http://a:0"), Err(AddressError::Port(_))));
     }
 }

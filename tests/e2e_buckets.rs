@@ -23,15 +23,7 @@ fn two_buckets(sims: &[Sim]) -> serde_json::Value {
 }
 
 fn deployment(name: &str) -> Deployment {
-    Deployment::start(
-        name,
-        vec![
-            SimSpec::plain("A"),
-            SimSpec::plain("B"),
-            SimSpec::plain("C"),
-        ],
-        two_buckets,
-    )
+    Deployment::start(name, vec![SimSpec::plain("A"), SimSpec::plain("B"), SimSpec::plain("C")], two_buckets)
 }
 
 #[test]
@@ -45,17 +37,11 @@ fn request_length_selects_the_smallest_bucket_that_fits() {
     // 400 bytes = 100 input tokens: past the short bucket's input range.
     let long = d.chat(&chat_body(&"x".repeat(400), 4, false));
     assert_eq!(long.status, 200, "{}", long.body);
-    assert_eq!(
-        (long.header("x-sgl-bucket"), long.engine().as_str()),
-        (Some("long"), "C")
-    );
+    assert_eq!((long.header("x-sgl-bucket"), long.engine().as_str()), (Some("long"), "C"));
 
     // 40 input tokens fit the short range, but 40 + 300 output exceeds its 256-token context.
     let peak = d.chat(&chat_body(&"x".repeat(160), 300, false));
-    assert_eq!(
-        (peak.header("x-sgl-bucket"), peak.engine().as_str()),
-        (Some("long"), "C")
-    );
+    assert_eq!((peak.header("x-sgl-bucket"), peak.engine().as_str()), (Some("long"), "C"));
 }
 
 #[test]
@@ -65,10 +51,7 @@ fn no_bucket_fits_is_a_400_no_matching_bucket() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["type"], "NoMatchingBucket");
     assert_eq!(r.json()["error"]["code"], 400);
-    assert!(r
-        .header("content-type")
-        .unwrap_or_default()
-        .starts_with("application/json"));
+    assert!(r.header("content-type").unwrap_or_default().starts_with("application/json"));
 }
 
 #[test]
@@ -77,10 +60,7 @@ fn unknown_model_is_a_404_and_malformed_bodies_are_400() {
     let mut body = chat_body("x", 4, false);
     body["model"] = json!("nope");
     let r = d.chat(&body);
-    assert_eq!(
-        (r.status, r.json()["error"]["type"].as_str()),
-        (404, Some("model_not_found"))
-    );
+    assert_eq!((r.status, r.json()["error"]["type"].as_str()), (404, Some("model_not_found")));
 
     let r = send(&d.envoy.url("/v1/chat/completions"), "POST", None, &[]);
     assert_eq!(r.status, 400, "{}", r.body);
@@ -96,20 +76,11 @@ fn unknown_model_is_a_404_and_malformed_bodies_are_400() {
 
     let mut no_messages = chat_body("x", 4, false);
     no_messages.as_object_mut().unwrap().remove("messages");
-    assert_eq!(
-        d.chat(&no_messages).json()["error"]["type"],
-        "invalid_request"
-    );
+    assert_eq!(d.chat(&no_messages).json()["error"]["type"], "invalid_request");
 
     let mut bad_sampling = chat_body("x", 4, false);
     bad_sampling["top_p"] = json!(0);
     let r = d.chat(&bad_sampling);
-    assert_eq!(
-        (r.status, r.json()["error"]["type"].as_str()),
-        (400, Some("invalid_request"))
-    );
-    assert!(r.json()["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .contains("top_p"));
+    assert_eq!((r.status, r.json()["error"]["type"].as_str()), (400, Some("invalid_request")));
+    assert!(r.json()["error"]["message"].as_str().unwrap_or_default().contains("top_p"));
 }

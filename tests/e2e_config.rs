@@ -28,17 +28,10 @@ fn an_invalid_router_config_is_rejected_by_the_cli_naming_the_field() {
     let dir = scratch_dir("cli_invalid");
     let path = dir.join("bad.json");
     fs::write(&path, bad_router().to_string()).unwrap_or_default();
-    let out = Command::new(cli_bin())
-        .arg("validate")
-        .arg(&path)
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let out = Command::new(cli_bin()).arg("validate").arg(&path).output().unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains(BAD_FIELD_PATH),
-        "CLI output names the field: {stderr}"
-    );
+    assert!(stderr.contains(BAD_FIELD_PATH), "CLI output names the field: {stderr}");
 }
 
 #[test]
@@ -50,14 +43,10 @@ fn an_invalid_router_config_is_rejected_by_envoy_validate_naming_the_field() {
     let text = fs::read_to_string(&rendered).unwrap_or_default();
     let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap_or_default();
     let bad = serde_yaml_ng::Value::String(bad_router().to_string());
-    yaml["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        ["http_filters"][0]["typed_config"]["config"]["configuration"]["value"] = bad.clone();
+    yaml["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+        ["typed_config"]["config"]["configuration"]["value"] = bad.clone();
     yaml["bootstrap_extensions"][0]["typed_config"]["config"]["configuration"]["value"] = bad;
-    fs::write(
-        &rendered,
-        serde_yaml_ng::to_string(&yaml).unwrap_or_default(),
-    )
-    .unwrap_or_default();
+    fs::write(&rendered, serde_yaml_ng::to_string(&yaml).unwrap_or_default()).unwrap_or_default();
 
     let out = Command::new(envoy_bin())
         .args(["--mode", "validate", "-c"])
@@ -65,77 +54,39 @@ fn an_invalid_router_config_is_rejected_by_envoy_validate_naming_the_field() {
         .current_dir(&dir)
         .output()
         .unwrap_or_else(|e| panic!("{e}"));
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        !out.status.success(),
-        "Envoy accepted a bad configuration:\n{log}"
-    );
-    assert!(
-        log.contains(BAD_FIELD_PATH),
-        "Envoy's log names the field:\n{log}"
-    );
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "Envoy accepted a bad configuration:\n{log}");
+    assert!(log.contains(BAD_FIELD_PATH), "Envoy's log names the field:\n{log}");
 }
 
 #[test]
 fn a_valid_router_config_passes_envoy_validate() {
     let dir = scratch_dir("envoy_valid");
-    let rendered = render(
-        &plain_router_for_ports(&[1, 2]),
-        &dir,
-        free_port(),
-        free_port(),
-    );
+    let rendered = render(&plain_router_for_ports(&[1, 2]), &dir, free_port(), free_port());
     let out = Command::new(envoy_bin())
         .args(["--mode", "validate", "-c"])
         .arg(&rendered)
         .current_dir(&dir)
         .output()
         .unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
 fn shipped_envoy_configs_match_their_router_configs() {
     let envoy_dir = repo_root().join("envoy");
     let mut checked = 0;
-    for entry in fs::read_dir(&envoy_dir)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .flatten()
-    {
+    for entry in fs::read_dir(&envoy_dir).unwrap_or_else(|e| panic!("{e}")).flatten() {
         let path = entry.path();
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_string();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
         let Some(stem) = name.strip_suffix(".router.yaml") else {
             continue;
         };
-        let out = Command::new(cli_bin())
-            .arg("render")
-            .arg(&path)
-            .output()
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(
-            out.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = Command::new(cli_bin()).arg("render").arg(&path).output().unwrap_or_else(|e| panic!("{e}"));
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
         let shipped_path = envoy_dir.join(format!("{stem}.yaml"));
-        let shipped = fs::read_to_string(&shipped_path).unwrap_or_else(|e| {
-            panic!(
-                "{} is missing ({e}); run scripts/render-configs",
-                shipped_path.display()
-            )
-        });
+        let shipped = fs::read_to_string(&shipped_path)
+            .unwrap_or_else(|e| panic!("{} is missing ({e}); run scripts/render-configs", shipped_path.display()));
         assert!(
             shipped == String::from_utf8_lossy(&out.stdout),
             "{} drifted from {name}; run scripts/render-configs",

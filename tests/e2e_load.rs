@@ -41,37 +41,26 @@ fn served(d: &Deployment, n: usize) -> HashMap<String, usize> {
 
 #[test]
 fn an_admission_rejection_in_the_first_bucket_advances_and_all_rejected_is_a_503_listing_each() {
-    let d = Deployment::start(
-        "admission_buckets",
-        vec![SimSpec::plain("A"), SimSpec::plain("B")],
-        |sims| {
-            plain_with(
-                sims,
-                json!([
-                    {"id": "small", "limits": {"max": 1000}, "groups": {"plain": {"worker_ids": ["A"],
-                        "policy": {"type": "power_of_two", "admission": {"max_running_requests": 8}}}}},
-                    {"id": "big", "limits": {"max": 100000}, "groups": {"plain": {"worker_ids": ["B"],
-                        "policy": {"type": "load_based", "admission": {"max_waiting_requests": 4}}}}}
-                ]),
-            )
-        },
-    );
+    let d = Deployment::start("admission_buckets", vec![SimSpec::plain("A"), SimSpec::plain("B")], |sims| {
+        plain_with(
+            sims,
+            json!([
+                {"id": "small", "limits": {"max": 1000}, "groups": {"plain": {"worker_ids": ["A"],
+                    "policy": {"type": "power_of_two", "admission": {"max_running_requests": 8}}}}},
+                {"id": "big", "limits": {"max": 100000}, "groups": {"plain": {"worker_ids": ["B"],
+                    "policy": {"type": "load_based", "admission": {"max_waiting_requests": 4}}}}}
+            ]),
+        )
+    });
     d.wait_for_service(2);
     let r = d.chat(&chat_body("hi", 1, false));
-    assert_eq!(
-        (r.header("x-sgl-bucket"), r.engine().as_str()),
-        (Some("small"), "A")
-    );
+    assert_eq!((r.header("x-sgl-bucket"), r.engine().as_str()), (Some("small"), "A"));
 
     d.sim("A").control(json!({"pin": {"running": 8}}));
     let_reports_refresh();
     let r = d.chat(&chat_body("hi", 1, false));
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(
-        (r.header("x-sgl-bucket"), r.engine().as_str()),
-        (Some("big"), "B"),
-        "advanced to the next bucket"
-    );
+    assert_eq!((r.header("x-sgl-bucket"), r.engine().as_str()), (Some("big"), "B"), "advanced to the next bucket");
 
     d.sim("B").control(json!({"pin": {"waiting": 4}}));
     let_reports_refresh();
@@ -80,44 +69,24 @@ fn an_admission_rejection_in_the_first_bucket_advances_and_all_rejected_is_a_503
     let e = r.json();
     assert_eq!(e["error"]["type"], "AdmissionRejected");
     let message = e["error"]["message"].as_str().unwrap();
+    assert!(message.contains("small/plain/A: max_running_requests"), "{message}");
+    assert!(message.contains("big/plain/B: max_waiting_requests"), "{message}");
     assert!(
-        message.contains("small/plain/A: max_running_requests"),
-        "{message}"
+        d.envoy.metric("sgl_router_admission_rejections_total{limit=\"max_running_requests\"}").unwrap_or(0.0) >= 2.0
     );
-    assert!(
-        message.contains("big/plain/B: max_waiting_requests"),
-        "{message}"
-    );
-    assert!(
-        d.envoy
-            .metric("sgl_router_admission_rejections_total{limit=\"max_running_requests\"}")
-            .unwrap_or(0.0)
-            >= 2.0
-    );
-    assert!(
-        d.envoy
-            .metric("sgl_router_requests_total{outcome=\"AdmissionRejected\"}")
-            .unwrap_or(0.0)
-            >= 1.0
-    );
+    assert!(d.envoy.metric("sgl_router_requests_total{outcome=\"AdmissionRejected\"}").unwrap_or(0.0) >= 1.0);
 }
 
 #[test]
 fn a_body_over_32_mib_is_a_413_from_the_filter() {
     let d = Deployment::start("too_large", vec![SimSpec::plain("A")], |sims| {
-        plain_with(
-            sims,
-            json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]),
-        )
+        plain_with(sims, json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]))
     });
     let big = "x".repeat(33 * 1024 * 1024);
     let r = d.chat(&chat_body(&big, 1, false));
     assert_eq!(r.status, 413, "{}", &r.body[..r.body.len().min(300)]);
     let v = r.json();
-    assert_eq!(
-        (v["error"]["type"].as_str(), v["error"]["code"].as_u64()),
-        (Some("payload_too_large"), Some(413))
-    );
+    assert_eq!((v["error"]["type"].as_str(), v["error"]["code"].as_u64()), (Some("payload_too_large"), Some(413)));
     assert_eq!(d.sim("A").state()["served"], 0);
     // A body just under the limit is routed.
     let fits = "x".repeat(31 * 1024 * 1024);
@@ -126,41 +95,25 @@ fn a_body_over_32_mib_is_a_413_from_the_filter() {
 
 #[test]
 fn power_of_two_avoids_an_engine_with_a_long_reported_waiting_queue() {
-    let d = Deployment::start(
-        "p2c_queue",
-        vec![SimSpec::plain("A"), SimSpec::plain("B")],
-        |sims| {
-            plain_with(
-                sims,
-                json!([{"id": "all", "groups": {"plain": {"policy": {"type": "power_of_two"}}}}]),
-            )
-        },
-    );
+    let d = Deployment::start("p2c_queue", vec![SimSpec::plain("A"), SimSpec::plain("B")], |sims| {
+        plain_with(sims, json!([{"id": "all", "groups": {"plain": {"policy": {"type": "power_of_two"}}}}]))
+    });
     d.wait_for_service(2);
     d.sim("A").control(json!({"pin": {"waiting": 50}}));
     let_reports_refresh();
     let counts = served(&d, 20);
     assert_eq!(counts.get("B"), Some(&20), "{counts:?}");
-    assert!(
-        d.envoy
-            .metric("sgl_router_picks_total{stage=\"plain\",worker=\"B\"}")
-            .unwrap_or(0.0)
-            >= 20.0
-    );
+    assert!(d.envoy.metric("sgl_router_picks_total{stage=\"plain\",worker=\"B\"}").unwrap_or(0.0) >= 20.0);
 }
 
 #[test]
 fn a_stale_report_fails_open_and_falls_back_to_router_local_counts() {
-    let d = Deployment::start(
-        "stale_report",
-        vec![SimSpec::plain("A"), SimSpec::plain("B")],
-        |sims| {
-            plain_with(
-                sims,
-                json!([{"id": "all", "groups": {"plain": {"policy": {"type": "power_of_two", "admission": {"max_waiting_requests": 10}}}}}]),
-            )
-        },
-    );
+    let d = Deployment::start("stale_report", vec![SimSpec::plain("A"), SimSpec::plain("B")], |sims| {
+        plain_with(
+            sims,
+            json!([{"id": "all", "groups": {"plain": {"policy": {"type": "power_of_two", "admission": {"max_waiting_requests": 10}}}}}]),
+        )
+    });
     d.wait_for_service(2);
     // A is over its cap and B has a short queue: everything goes to B, and A alone is rejected.
     d.sim("A").control(json!({"pin": {"waiting": 50}}));
@@ -171,10 +124,7 @@ fn a_stale_report_fails_open_and_falls_back_to_router_local_counts() {
     // Only A's load endpoint fails: its report goes stale and is never reused.
     d.sim("A").control(json!({"loads": {"status": 500}}));
     wait_for("A's report to go stale", Duration::from_secs(10), || {
-        (d.envoy
-            .metric("sgl_router_fresh_load_report{worker=\"A\"}")?
-            == 0.0)
-            .then_some(())
+        (d.envoy.metric("sgl_router_fresh_load_report{worker=\"A\"}")? == 0.0).then_some(())
     });
     std::thread::sleep(Duration::from_millis(300));
     // Unknown is not zero load (A would win every comparison against B's 5) and not the old 50
@@ -195,11 +145,9 @@ fn in_flight_counts_rise_under_mixed_traffic_and_all_return_to_zero() {
         SimSpec::decode("D1"),
     ];
     let d = Deployment::start("mixed_traffic", specs, |sims| {
-        let mut router = pd_router(
-            sims,
-            &[("pd", 0, 1_000_000, 2_000_000, &["P1", "P2"], &["D1"])],
-        );
-        router["models"]["plain-model"] = json!({"buckets": [{"id": "plain", "groups": {"plain": {"policy": {"type": "load_based"}}}}]});
+        let mut router = pd_router(sims, &[("pd", 0, 1_000_000, 2_000_000, &["P1", "P2"], &["D1"])]);
+        router["models"]["plain-model"] =
+            json!({"buckets": [{"id": "plain", "groups": {"plain": {"policy": {"type": "load_based"}}}}]});
         router
     });
     for sim in &d.sims {
@@ -217,21 +165,10 @@ fn in_flight_counts_rise_under_mixed_traffic_and_all_return_to_zero() {
         std::thread::spawn(move || {
             let mut max = 0.0f64;
             while !stop.load(Ordering::SeqCst) {
-                if let Ok(mut r) = agent()
-                    .get(&format!("http://127.0.0.1:{url}/stats/prometheus"))
-                    .call()
-                {
+                if let Ok(mut r) = agent().get(&format!("http://127.0.0.1:{url}/stats/prometheus")).call() {
                     let text = r.body_mut().read_to_string().unwrap_or_default();
-                    for l in text
-                        .lines()
-                        .filter(|l| l.starts_with("sgl_router_inflight{"))
-                    {
-                        max = max.max(
-                            l.rsplit(' ')
-                                .next()
-                                .and_then(|v| v.parse().ok())
-                                .unwrap_or(0.0),
-                        );
+                    for l in text.lines().filter(|l| l.starts_with("sgl_router_inflight{")) {
+                        max = max.max(l.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0.0));
                     }
                 }
                 std::thread::sleep(Duration::from_millis(100));
@@ -252,11 +189,8 @@ fn in_flight_counts_rise_under_mixed_traffic_and_all_return_to_zero() {
                     if kind >= 3 {
                         body["model"] = json!("plain-model");
                     }
-                    let response = agent()
-                        .post(&url)
-                        .header("content-type", "application/json")
-                        .send(body.to_string())
-                        .unwrap();
+                    let response =
+                        agent().post(&url).header("content-type", "application/json").send(body.to_string()).unwrap();
                     let status = response.status().as_u16();
                     let mut reader = response.into_body().into_reader();
                     if kind == 4 {
@@ -287,32 +221,20 @@ fn in_flight_counts_rise_under_mixed_traffic_and_all_return_to_zero() {
     assert_eq!(outcomes.values().sum::<usize>(), 500);
     // Every plain request succeeds (aborted streams started with 200); the failing prefill engine
     // answers at once and so looks least loaded, which is why PD failures can exceed half.
-    assert!(
-        outcomes.get(&200).copied().unwrap_or(0) >= 200,
-        "{outcomes:?}"
-    );
-    assert!(
-        outcomes.get(&502).copied().unwrap_or(0) >= 20,
-        "prefill failures happened: {outcomes:?}"
-    );
+    assert!(outcomes.get(&200).copied().unwrap_or(0) >= 200, "{outcomes:?}");
+    assert!(outcomes.get(&502).copied().unwrap_or(0) >= 20, "prefill failures happened: {outcomes:?}");
     assert!(max > 0.0, "in-flight counts rose above zero during the run");
     d.wait_for_idle(&workers);
 }
 
 #[test]
 fn the_circuit_breaker_opens_on_consecutive_failures_and_a_probe_closes_it() {
-    let d = Deployment::start(
-        "breaker",
-        vec![SimSpec::plain("A"), SimSpec::plain("B")],
-        |sims| {
-            let mut router = plain_with(
-                sims,
-                json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]),
-            );
-            router["circuit_breaker"] = json!({"failure_threshold": 2, "cooldown_ms": 1500});
-            router
-        },
-    );
+    let d = Deployment::start("breaker", vec![SimSpec::plain("A"), SimSpec::plain("B")], |sims| {
+        let mut router =
+            plain_with(sims, json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]));
+        router["circuit_breaker"] = json!({"failure_threshold": 2, "cooldown_ms": 1500});
+        router
+    });
     d.sim("A").control(json!({"chat": {"status": 500}}));
     let mut failures = 0;
     for i in 0..8 {
@@ -323,21 +245,11 @@ fn the_circuit_breaker_opens_on_consecutive_failures_and_a_probe_closes_it() {
     }
     assert_eq!(failures, 2, "A is taken out after two consecutive failures");
     d.sim("A").control(json!({"chat": {"status": null}}));
-    assert_eq!(
-        served(&d, 6).get("B"),
-        Some(&6),
-        "open: A gets nothing during the cool-down"
-    );
+    assert_eq!(served(&d, 6).get("B"), Some(&6), "open: A gets nothing during the cool-down");
     std::thread::sleep(Duration::from_millis(1600));
-    wait_for(
-        "the probe to close A's breaker",
-        Duration::from_secs(10),
-        || served(&d, 4).contains_key("A").then_some(()),
-    );
+    wait_for("the probe to close A's breaker", Duration::from_secs(10), || {
+        served(&d, 4).contains_key("A").then_some(())
+    });
     let counts = served(&d, 10);
-    assert_eq!(
-        (counts.get("A"), counts.get("B")),
-        (Some(&5), Some(&5)),
-        "closed again: {counts:?}"
-    );
+    assert_eq!((counts.get("A"), counts.get("B")), (Some(&5), Some(&5)), "closed again: {counts:?}");
 }

@@ -11,32 +11,14 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-const SHORT: PdBucket<'static> = (
-    "short-context",
-    10,
-    4096,
-    8192,
-    &["P1", "P2"],
-    &["D1", "D2"],
-);
-const LONG: PdBucket<'static> = (
-    "long-context",
-    20,
-    131_072,
-    131_072,
-    &["P3", "P4"],
-    &["D3", "D4"],
-);
+const SHORT: PdBucket<'static> = ("short-context", 10, 4096, 8192, &["P1", "P2"], &["D1", "D2"]);
+const LONG: PdBucket<'static> = ("long-context", 20, 131_072, 131_072, &["P3", "P4"], &["D3", "D4"]);
 
 fn design_example(name: &str) -> Deployment {
     let specs = ["P1", "P2", "P3", "P4"]
         .iter()
         .map(|id| SimSpec::prefill(id))
-        .chain(
-            ["D1", "D2", "D3", "D4"]
-                .iter()
-                .map(|id| SimSpec::decode(id)),
-        )
+        .chain(["D1", "D2", "D3", "D4"].iter().map(|id| SimSpec::decode(id)))
         .collect();
     let d = Deployment::start(name, specs, |sims| pd_router(sims, &[SHORT, LONG]));
     for sim in &d.sims {
@@ -48,11 +30,9 @@ fn design_example(name: &str) -> Deployment {
 }
 
 fn single_pair(name: &str) -> Deployment {
-    let d = Deployment::start(
-        name,
-        vec![SimSpec::prefill("P1"), SimSpec::decode("D1")],
-        |sims| pd_router(sims, &[("only", 0, 100_000, 200_000, &["P1"], &["D1"])]),
-    );
+    let d = Deployment::start(name, vec![SimSpec::prefill("P1"), SimSpec::decode("D1")], |sims| {
+        pd_router(sims, &[("only", 0, 100_000, 200_000, &["P1"], &["D1"])])
+    });
     d.wait_for_service(2);
     d
 }
@@ -77,34 +57,18 @@ fn a_pd_request_reaches_the_chosen_pair_with_one_shared_room_and_streams_after_t
     let r = d.chat(&body);
     let took = sent.elapsed();
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(
-        (r.header("x-sgl-prefill-worker"), r.header("x-sgl-worker")),
-        (Some("P1"), Some("D1"))
-    );
+    assert_eq!((r.header("x-sgl-prefill-worker"), r.header("x-sgl-worker")), (Some("P1"), Some("D1")));
     assert_eq!(r.engine(), "D1");
 
     let p = last_record(prefill);
     let dec = last_record(d.sim("D1"));
     let room = p["bootstrap_room"].clone();
-    assert!(
-        room.as_u64().is_some_and(|r| r != 7 && r < (1 << 63)),
-        "a fresh 63-bit room: {room}"
-    );
-    assert_eq!(
-        dec["bootstrap_room"], room,
-        "prefill and decode share one room"
-    );
+    assert!(room.as_u64().is_some_and(|r| r != 7 && r < (1 << 63)), "a fresh 63-bit room: {room}");
+    assert_eq!(dec["bootstrap_room"], room, "prefill and decode share one room");
     assert_eq!(dec["bootstrap_host"], "127.0.0.1");
-    assert_eq!(
-        dec["bootstrap_port"].as_u64(),
-        prefill.bootstrap_port.map(u64::from)
-    );
+    assert_eq!(dec["bootstrap_port"].as_u64(), prefill.bootstrap_port.map(u64::from));
     assert!(
-        p["headers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|h| h[0] != "content-length" || h[1] != "0"),
+        p["headers"].as_array().unwrap().iter().all(|h| h[0] != "content-length" || h[1] != "0"),
         "the prefill callout carried the body"
     );
 
@@ -113,28 +77,15 @@ fn a_pd_request_reaches_the_chosen_pair_with_one_shared_room_and_streams_after_t
     let content: String = events[..events.len() - 1]
         .iter()
         .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-        .filter_map(|c| {
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(String::from)
-        })
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(String::from))
         .collect();
-    assert_eq!(
-        content,
-        (0..12).map(|i| format!("tok{i} ")).collect::<String>()
-    );
+    assert_eq!(content, (0..12).map(|i| format!("tok{i} ")).collect::<String>());
     // The decode engine finished its stream long before the prefill answered; the client still
     // got nothing until then.
     let decode_done = dec["finished_ms"].as_u64().unwrap();
     let prefill_done = p["finished_ms"].as_u64().unwrap();
-    assert!(
-        decode_done < prefill_done,
-        "the decode stream was ready before the prefill answered"
-    );
-    assert!(
-        took >= Duration::from_millis(1400),
-        "the response was released only after the prefill: {took:?}"
-    );
+    assert!(decode_done < prefill_done, "the decode stream was ready before the prefill answered");
+    assert!(took >= Duration::from_millis(1400), "the response was released only after the prefill: {took:?}");
     d.wait_for_idle(&["P1", "D1"]);
 }
 
@@ -146,17 +97,11 @@ fn a_failing_prefill_engine_gives_502_prefill_failed_and_counts_return_to_zero()
         let started = Instant::now();
         let r = d.chat(&chat_body("doomed", 4, stream));
         assert_eq!(r.status, 502, "{}", r.body);
-        assert!(r
-            .header("content-type")
-            .unwrap_or_default()
-            .starts_with("application/json"));
+        assert!(r.header("content-type").unwrap_or_default().starts_with("application/json"));
         let v = r.json();
         assert_eq!(v["error"]["type"], "PrefillFailed");
         assert_eq!(v["error"]["code"], 502);
-        assert!(
-            r.header("x-sim-engine").is_none(),
-            "nothing of the decode response reached the client"
-        );
+        assert!(r.header("x-sim-engine").is_none(), "nothing of the decode response reached the client");
         assert!(started.elapsed() < Duration::from_secs(5), "nothing hangs");
     }
     d.wait_for_idle(&["P1", "D1"]);
@@ -171,10 +116,7 @@ fn a_decode_error_goes_to_the_client_at_once() {
     let r = d.chat(&chat_body("x", 4, false));
     assert_eq!(r.status, 503);
     assert_eq!(r.engine(), "D1");
-    assert!(
-        started.elapsed() < Duration::from_millis(2500),
-        "not held for the prefill"
-    );
+    assert!(started.elapsed() < Duration::from_millis(2500), "not held for the prefill");
     d.wait_for_idle(&["P1", "D1"]);
 }
 
@@ -189,12 +131,7 @@ fn design_example_4k_input_16k_peak_takes_the_long_pair_and_8k_peak_the_short_on
     assert!(["D3", "D4"].contains(&long.header("x-sgl-worker").unwrap()));
 
     let short = d.chat(&chat_body(&prompt, 4000, true)); // peak 8k
-    assert_eq!(
-        short.header("x-sgl-bucket"),
-        Some("short-context"),
-        "{}",
-        short.body
-    );
+    assert_eq!(short.header("x-sgl-bucket"), Some("short-context"), "{}", short.body);
     assert!(["P1", "P2"].contains(&short.header("x-sgl-prefill-worker").unwrap()));
     assert!(["D1", "D2"].contains(&short.header("x-sgl-worker").unwrap()));
 }

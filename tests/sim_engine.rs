@@ -28,12 +28,7 @@ fn decode_without_a_bootstrap_room_is_rejected_as_sglang_does() {
     let decode = Sim::start(SimSpec::decode("D"), &dir);
     let r = post(&decode, &chat_body("x", 2, false));
     assert_eq!(r.status, 400);
-    assert!(
-        r.body
-            .contains("Disaggregated request received without bootstrap room id"),
-        "{}",
-        r.body
-    );
+    assert!(r.body.contains("Disaggregated request received without bootstrap room id"), "{}", r.body);
     assert_eq!(r.engine(), "D");
 }
 
@@ -50,20 +45,14 @@ fn decode_answers_only_after_its_prefill_finished_the_room() {
         (r, Instant::now())
     });
     std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        !waiting.is_finished(),
-        "decode answered before the prefill ran"
-    );
+    assert!(!waiting.is_finished(), "decode answered before the prefill ran");
     let prefilled_at = Instant::now();
     let p = post(&prefill, &body);
     assert_eq!(p.status, 200, "{}", p.body);
     let (d, answered_at) = waiting.join().unwrap();
     assert_eq!(d.status, 200, "{}", d.body);
     assert!(answered_at >= prefilled_at);
-    assert_eq!(
-        sse_events(&d.body).last().map(String::as_str),
-        Some("[DONE]")
-    );
+    assert_eq!(sse_events(&d.body).last().map(String::as_str), Some("[DONE]"));
     assert_eq!(prefill.state()["rooms_finished"], 1);
 }
 
@@ -99,11 +88,7 @@ fn n_greater_than_one_waits_for_every_room() {
     let mut only_seven = body.clone();
     only_seven["bootstrap_room"] = json!([7]);
     post(&prefill, &only_seven);
-    assert_eq!(
-        post(&decode, &body).status,
-        500,
-        "room 8 was never prefilled"
-    );
+    assert_eq!(post(&decode, &body).status, 500, "room 8 was never prefilled");
     post(&prefill, &body);
     let r = post(&decode, &body);
     assert_eq!(r.status, 200, "{}", r.body);
@@ -121,9 +106,7 @@ fn reported_counts_are_the_real_requests_and_pins_override_them() {
     let threads: Vec<_> = (0..3)
         .map(|_| {
             let url = url.clone();
-            std::thread::spawn(move || {
-                send(&url, "POST", Some(&chat_body("abcdabcd", 5, false)), &[])
-            })
+            std::thread::spawn(move || send(&url, "POST", Some(&chat_body("abcdabcd", 5, false)), &[]))
         })
         .collect();
     let loads = wait_for("one running, two waiting", Duration::from_secs(5), || {
@@ -131,27 +114,15 @@ fn reported_counts_are_the_real_requests_and_pins_override_them() {
         let l = v["loads"][0].clone();
         (l["num_running_reqs"] == 1 && l["num_waiting_reqs"] == 2).then_some(l)
     });
-    assert_eq!(
-        loads["num_waiting_uncached_tokens"], 4,
-        "two waiting prompts of 2 tokens"
-    );
+    assert_eq!(loads["num_waiting_uncached_tokens"], 4, "two waiting prompts of 2 tokens");
     let basic = send(&sim.url("/get_load"), "GET", None, &[]).json();
-    assert_eq!(
-        (
-            basic[0]["num_reqs"].as_u64(),
-            basic[0]["num_waiting_reqs"].as_u64()
-        ),
-        (Some(1), Some(2))
-    );
+    assert_eq!((basic[0]["num_reqs"].as_u64(), basic[0]["num_waiting_reqs"].as_u64()), (Some(1), Some(2)));
     for t in threads {
         assert_eq!(t.join().unwrap().status, 200);
     }
     let idle = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
     assert_eq!(
-        (
-            idle["loads"][0]["num_running_reqs"].as_u64(),
-            idle["loads"][0]["num_used_tokens"].as_u64()
-        ),
+        (idle["loads"][0]["num_running_reqs"].as_u64(), idle["loads"][0]["num_used_tokens"].as_u64()),
         (Some(0), Some(0))
     );
 
@@ -161,10 +132,7 @@ fn reported_counts_are_the_real_requests_and_pins_override_them() {
     assert_eq!(pinned["loads"][0]["num_waiting_reqs"], 9);
     assert_eq!(pinned["loads"][0]["num_used_tokens"], 1234);
     let metrics = send(&sim.url("/metrics"), "GET", None, &[]).body;
-    assert!(
-        metrics.contains("sglang:num_running_reqs{") && metrics.contains("} 7\n"),
-        "{metrics}"
-    );
+    assert!(metrics.contains("sglang:num_running_reqs{") && metrics.contains("} 7\n"), "{metrics}");
     assert!(metrics.contains("sglang:num_queue_reqs{"), "{metrics}");
     sim.control(json!({"pin": null}));
     let unpinned = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
@@ -181,10 +149,7 @@ fn ranks_add_up_to_the_engine_totals() {
     let v = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
     let loads = v["loads"].as_array().unwrap();
     assert_eq!(loads.len(), 2);
-    let running: u64 = loads
-        .iter()
-        .map(|l| l["num_running_reqs"].as_u64().unwrap())
-        .sum();
+    let running: u64 = loads.iter().map(|l| l["num_running_reqs"].as_u64().unwrap()).sum();
     assert_eq!(running, 3);
     assert_eq!(loads[1]["dp_rank"], 1);
 }
@@ -225,20 +190,8 @@ fn registration_endpoints_describe_the_engine() {
     let sim = Sim::start(SimSpec::prefill("P").model("m1"), &dir);
     let info = send(&sim.url("/get_server_info"), "GET", None, &[]).json();
     assert_eq!(info["disaggregation_mode"], "prefill");
-    assert_eq!(
-        info["disaggregation_bootstrap_port"],
-        json!(sim.bootstrap_port)
-    );
-    assert_eq!(
-        send(&sim.url("/get_model_info"), "GET", None, &[]).json()["model_path"],
-        "m1"
-    );
-    assert_eq!(
-        send(&sim.url("/v1/models"), "GET", None, &[]).json()["data"][0]["id"],
-        "m1"
-    );
-    assert_eq!(
-        send(&sim.url("/health_generate"), "GET", None, &[]).status,
-        200
-    );
+    assert_eq!(info["disaggregation_bootstrap_port"], json!(sim.bootstrap_port));
+    assert_eq!(send(&sim.url("/get_model_info"), "GET", None, &[]).json()["model_path"], "m1");
+    assert_eq!(send(&sim.url("/v1/models"), "GET", None, &[]).json()["data"][0]["id"], "m1");
+    assert_eq!(send(&sim.url("/health_generate"), "GET", None, &[]).status, 200);
 }

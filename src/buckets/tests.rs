@@ -17,23 +17,13 @@ pub(crate) struct Scripted {
 }
 
 impl Scripted {
-    pub(crate) fn new(
-        answer: impl Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send + 'static,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            answer: Mutex::new(Some(Box::new(answer))),
-            offered: Mutex::default(),
-        })
+    pub(crate) fn new(answer: impl Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send + 'static) -> Arc<Self> {
+        Arc::new(Self { answer: Mutex::new(Some(Box::new(answer))), offered: Mutex::default() })
     }
 
     /// Takes the first candidate.
     pub(crate) fn first() -> Arc<Self> {
-        Self::new(|c| {
-            Ok(Pick {
-                worker: Arc::clone(&c[0]),
-                reason: PickReason::Rotation,
-            })
-        })
+        Self::new(|c| Ok(Pick { worker: Arc::clone(&c[0]), reason: PickReason::Rotation }))
     }
 
     pub(crate) fn failing(error: PickError) -> Arc<Self> {
@@ -53,10 +43,7 @@ impl Policy for Scripted {
         engines: &'a [Arc<Worker>],
         _: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        self.offered
-            .lock()
-            .unwrap()
-            .push(engines.iter().map(|w| w.id.clone()).collect());
+        self.offered.lock().unwrap().push(engines.iter().map(|w| w.id.clone()).collect());
         let answer = self.answer.lock().unwrap();
         let result = (answer.as_ref().unwrap())(engines);
         Box::pin(std::future::ready(result))
@@ -66,10 +53,7 @@ impl Policy for Scripted {
 fn live(workers: &[Arc<Worker>], unhealthy: &[&str]) -> LiveWorkers {
     let mut sorted = workers.to_vec();
     sorted.sort_by(|a, b| a.id.cmp(&b.id));
-    LiveWorkers::new(
-        sorted.into(),
-        Arc::new(unhealthy.iter().map(|s| s.to_string()).collect()),
-    )
+    LiveWorkers::new(sorted.into(), Arc::new(unhealthy.iter().map(|s| s.to_string()).collect()))
 }
 
 fn plain(id: &str) -> Arc<Worker> {
@@ -100,10 +84,7 @@ fn request(stage: Role) -> PickRequest<'static> {
 #[test]
 fn a_known_peak_below_the_input_is_an_invalid_signal() {
     let r = BucketResolver::new(vec![bucket("a", 0, 0, None, None)]);
-    assert_eq!(
-        r.resolve(10, Some(9)).unwrap_err(),
-        ResolveError::PeakBelowInput { input: 10, peak: 9 }
-    );
+    assert_eq!(r.resolve(10, Some(9)).unwrap_err(), ResolveError::PeakBelowInput { input: 10, peak: 9 });
     assert!(r.resolve(10, Some(10)).is_ok());
 }
 
@@ -137,10 +118,7 @@ fn buckets_are_ordered_by_capacity_with_unbounded_last() {
         bucket("big", 0, 0, Some(1000), None),
         bucket("small", 0, 0, None, Some(100)),
     ]);
-    assert_eq!(
-        ids(&r.resolve(10, None).unwrap()),
-        ["small", "big", "unbounded"]
-    );
+    assert_eq!(ids(&r.resolve(10, None).unwrap()), ["small", "big", "unbounded"]);
 }
 
 #[test]
@@ -162,18 +140,12 @@ fn capacity_ties_are_broken_by_rank_then_id() {
         bucket("w", 0, 0, None, None),
         bucket("v", 0, 0, None, None),
     ]);
-    assert_eq!(
-        ids(&r.resolve(10, None).unwrap()),
-        ["z", "x", "y", "v", "w"]
-    );
+    assert_eq!(ids(&r.resolve(10, None).unwrap()), ["z", "x", "y", "v", "w"]);
 }
 
 #[test]
 fn the_resolver_returns_the_whole_ordered_list_or_nothing() {
-    let r = BucketResolver::new(vec![
-        bucket("a", 0, 0, Some(10), None),
-        bucket("b", 0, 0, Some(20), None),
-    ]);
+    let r = BucketResolver::new(vec![bucket("a", 0, 0, Some(10), None), bucket("b", 0, 0, Some(20), None)]);
     assert_eq!(ids(&r.resolve(5, None).unwrap()), ["a", "b"]);
     assert!(r.resolve(30, None).unwrap().is_empty());
 }
@@ -185,14 +157,8 @@ fn design_example_4k_input_with_16k_peak_selects_long_and_8k_peak_selects_short(
         bucket("long-context", 20, 0, Some(131_072), Some(131_072)),
         bucket("short-context", 10, 0, Some(4096), Some(8192)),
     ]);
-    assert_eq!(
-        ids(&r.resolve(4000, Some(16_000)).unwrap()),
-        ["long-context"]
-    );
-    assert_eq!(
-        ids(&r.resolve(4000, Some(8192)).unwrap()),
-        ["short-context", "long-context"]
-    );
+    assert_eq!(ids(&r.resolve(4000, Some(16_000)).unwrap()), ["long-context"]);
+    assert_eq!(ids(&r.resolve(4000, Some(8192)).unwrap()), ["short-context", "long-context"]);
 }
 
 proptest! {
@@ -230,11 +196,7 @@ fn a_group_filters_by_model_health_stage_and_membership_and_sorts_by_id() {
         plain("E"),
     ];
     let policy = Scripted::first();
-    let group = EngineGroup::with_members(
-        Role::Plain,
-        ["A", "B", "C", "D", "P"].map(String::from),
-        policy.clone(),
-    );
+    let group = EngineGroup::with_members(Role::Plain, ["A", "B", "C", "D", "P"].map(String::from), policy.clone());
     let pick = now(group.pick(&live(&ws, &["B"]), &request(Role::Plain))).unwrap();
     assert_eq!(pick.worker.id, "A");
     assert_eq!(
@@ -248,50 +210,29 @@ fn a_group_filters_by_model_health_stage_and_membership_and_sorts_by_id() {
 fn omitted_membership_means_every_engine_and_an_empty_one_none() {
     let ws = vec![plain("A"), plain("B")];
     let all = Scripted::first();
-    now(EngineGroup::new(Role::Plain, all.clone()).pick(&live(&ws, &[]), &request(Role::Plain)))
-        .unwrap();
+    now(EngineGroup::new(Role::Plain, all.clone()).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap();
     assert_eq!(all.offered.lock().unwrap()[0], ["A", "B"]);
 
     let none = Scripted::first();
     let group = EngineGroup::with_members(Role::Plain, Vec::<String>::new(), none.clone());
-    assert!(matches!(
-        now(group.pick(&live(&ws, &[]), &request(Role::Plain))),
-        Err(PickError::NoCandidates { .. })
-    ));
-    assert!(
-        none.offered.lock().unwrap().is_empty(),
-        "the policy is not invoked without candidates"
-    );
+    assert!(matches!(now(group.pick(&live(&ws, &[]), &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
+    assert!(none.offered.lock().unwrap().is_empty(), "the policy is not invoked without candidates");
 }
 
 #[test]
 fn a_result_outside_the_candidates_is_rejected() {
     let ws = vec![plain("A")];
     let foreign = plain("Z");
-    let policy = Scripted::new(move |_| {
-        Ok(Pick {
-            worker: Arc::clone(&foreign),
-            reason: PickReason::Rotation,
-        })
-    });
-    let err =
-        now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain)))
-            .unwrap_err();
+    let policy = Scripted::new(move |_| Ok(Pick { worker: Arc::clone(&foreign), reason: PickReason::Rotation }));
+    let err = now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap_err();
     assert_eq!(err, PickError::OutsideCandidates { worker: "Z".into() });
 }
 
 #[test]
 fn a_new_allocation_with_a_candidates_id_is_rejected() {
     let ws = vec![plain("A")];
-    let policy = Scripted::new(|_| {
-        Ok(Pick {
-            worker: plain("A"),
-            reason: PickReason::Rotation,
-        })
-    });
-    let err =
-        now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain)))
-            .unwrap_err();
+    let policy = Scripted::new(|_| Ok(Pick { worker: plain("A"), reason: PickReason::Rotation }));
+    let err = now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap_err();
     assert_eq!(err, PickError::OutsideCandidates { worker: "A".into() });
 }
 
@@ -312,31 +253,19 @@ fn pd_bucket(id: &str, prefill: Arc<Scripted>, decode: Arc<Scripted>) -> Bucket 
 }
 
 fn pd_workers() -> Vec<Arc<Worker>> {
-    vec![
-        worker_with("P1", Role::Prefill, "m"),
-        worker_with("D1", Role::Decode, "m"),
-    ]
+    vec![worker_with("P1", Role::Prefill, "m"), worker_with("D1", Role::Decode, "m")]
 }
 
 fn bucket_request() -> BucketRequest {
-    BucketRequest {
-        model: "m".into(),
-        input_tokens: 10,
-        ..BucketRequest::default()
-    }
+    BucketRequest { model: "m".into(), input_tokens: 10, ..BucketRequest::default() }
 }
 
 #[test]
 fn a_pd_bucket_picks_both_engines_from_its_own_groups() {
     let b = pd_bucket("b", Scripted::first(), Scripted::first());
     let pick = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap();
-    let BucketPick::Pd { prefill, decode } = pick else {
-        panic!("not a PD pick")
-    };
-    assert_eq!(
-        (prefill.worker.id.as_str(), decode.worker.id.as_str()),
-        ("P1", "D1")
-    );
+    let BucketPick::Pd { prefill, decode } = pick else { panic!("not a PD pick") };
+    assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("P1", "D1"));
 }
 
 #[test]
@@ -349,15 +278,8 @@ fn each_group_gets_a_stage_specific_request_with_the_bucket_id() {
             engines: &'a [Arc<Worker>],
             r: &'a PickRequest<'a>,
         ) -> BoxFuture<'a, Result<Pick, PickError>> {
-            self.0.lock().unwrap().push((
-                r.stage,
-                r.bucket_id.to_string(),
-                r.session_key.map(String::from),
-            ));
-            Box::pin(std::future::ready(Ok(Pick {
-                worker: Arc::clone(&engines[0]),
-                reason: PickReason::Rotation,
-            })))
+            self.0.lock().unwrap().push((r.stage, r.bucket_id.to_string(), r.session_key.map(String::from)));
+            Box::pin(std::future::ready(Ok(Pick { worker: Arc::clone(&engines[0]), reason: PickReason::Rotation })))
         }
     }
     let rec = Arc::new(Recording::default());
@@ -368,28 +290,18 @@ fn each_group_gets_a_stage_specific_request_with_the_bucket_id() {
         },
         ..pd_bucket("short", Scripted::first(), Scripted::first())
     };
-    let req = BucketRequest {
-        session_key: Some("s1".into()),
-        ..bucket_request()
-    };
+    let req = BucketRequest { session_key: Some("s1".into()), ..bucket_request() };
     now(b.pick_engines(&live(&pd_workers(), &[]), &req)).unwrap();
     let seen = rec.0.lock().unwrap().clone();
     assert_eq!(
         seen,
-        vec![
-            (Role::Prefill, "short".into(), Some("s1".into())),
-            (Role::Decode, "short".into(), Some("s1".into()))
-        ]
+        vec![(Role::Prefill, "short".into(), Some("s1".into())), (Role::Decode, "short".into(), Some("s1".into()))]
     );
 }
 
 #[test]
 fn a_decode_failure_discards_the_prefill_choice_and_names_its_stage() {
-    let b = pd_bucket(
-        "b",
-        Scripted::first(),
-        Scripted::failing(PickError::no_candidates("none")),
-    );
+    let b = pd_bucket("b", Scripted::first(), Scripted::failing(PickError::no_candidates("none")));
     let err = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap_err();
     assert_eq!(err.stage, Role::Decode);
 }
@@ -397,11 +309,7 @@ fn a_decode_failure_discards_the_prefill_choice_and_names_its_stage() {
 #[test]
 fn a_prefill_failure_skips_the_decode_group() {
     let decode = Scripted::first();
-    let b = pd_bucket(
-        "b",
-        Scripted::failing(PickError::no_candidates("none")),
-        decode.clone(),
-    );
+    let b = pd_bucket("b", Scripted::failing(PickError::no_candidates("none")), decode.clone());
     let err = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap_err();
     assert_eq!(err.stage, Role::Prefill);
     assert!(decode.offered.lock().unwrap().is_empty());

@@ -6,37 +6,16 @@ use serde_json::Value;
 use super::ConfigError;
 
 const DROPPED_POLICIES: &[(&str, &str)] = &[
-    (
-        "fused_score",
-        "fused-score selection was removed; choose one policy per group",
-    ),
-    (
-        "score_policy",
-        "score-policy selection was removed; choose one policy per group",
-    ),
-    (
-        "legacy_host_affinity",
-        "legacy host affinity was removed; use session_aware or sticky",
-    ),
+    ("fused_score", "fused-score selection was removed; choose one policy per group"),
+    ("score_policy", "score-policy selection was removed; choose one policy per group"),
+    ("legacy_host_affinity", "legacy host affinity was removed; use session_aware or sticky"),
 ];
 
 const DROPPED_KEYS: &[(&str, &str)] = &[
-    (
-        "fuse",
-        "fused-score terms and weights were removed with fused_score",
-    ),
-    (
-        "stable_pair",
-        "stable prefill/decode pairing was removed; both engines come from one bucket",
-    ),
-    (
-        "affinity_mode",
-        "only strict admitted-binding reuse remains; the soft mode was removed",
-    ),
-    (
-        "prefix_cache_min_share",
-        "the prefix-share filter was removed; it is not the cache_aware minimum hit",
-    ),
+    ("fuse", "fused-score terms and weights were removed with fused_score"),
+    ("stable_pair", "stable prefill/decode pairing was removed; both engines come from one bucket"),
+    ("affinity_mode", "only strict admitted-binding reuse remains; the soft mode was removed"),
+    ("prefix_cache_min_share", "the prefix-share filter was removed; it is not the cache_aware minimum hit"),
 ];
 
 pub(super) fn find_dropped_options(value: &Value) -> Vec<ConfigError> {
@@ -49,16 +28,9 @@ fn walk(value: &Value, path: &str, found: &mut Vec<ConfigError>) {
     match value {
         Value::Object(map) => {
             for (key, child) in map {
-                let child_path = if path.is_empty() {
-                    key.clone()
-                } else {
-                    format!("{path}.{key}")
-                };
+                let child_path = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
                 if let Some((_, why)) = DROPPED_KEYS.iter().find(|(k, _)| k == key) {
-                    found.push(ConfigError::new(
-                        &child_path,
-                        format!("`{key}` is not supported: {why}"),
-                    ));
+                    found.push(ConfigError::new(&child_path, format!("`{key}` is not supported: {why}")));
                     continue;
                 }
                 if key == "type" {

@@ -5,15 +5,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{
-    ConfigError, ConfigErrors, GroupConfig, GroupsConfig, PolicyConfig, Role, RouterConfig,
+    AdmissionLimits, ConfigError, ConfigErrors, GroupConfig, GroupsConfig, ModelConfig, PolicyConfig, Role,
+    RouterConfig, StickyFallback,
 };
 use crate::buckets::{Bucket, BucketGroups, BucketResolver, EngineGroup};
 use crate::host::Host;
 use crate::policies::admission::AdmissionGate;
 use crate::policies::{
-    LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy,
-    SharedCursor,
+    LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SessionAwarePolicy,
+    SharedCursor, StickyPolicy,
 };
+use crate::state::affinity_store::AffinityStore;
 use crate::state::load_monitor::{InflightTable, LoadView};
 
 /// The application's shared state, handed to every policy that needs part of it.
@@ -26,46 +28,34 @@ pub struct StateHandles {
     pub random: Arc<dyn RandomSource>,
     /// For policies that await a remote answer.
     pub callouts: Arc<dyn crate::host::Callouts>,
+    /// Session and routing-key bindings.
+    pub affinity: Arc<AffinityStore>,
 }
 
 pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
 
-pub fn build_resolvers(
-    config: &RouterConfig,
-    handles: &StateHandles,
-) -> Result<Resolvers, ConfigErrors> {
+pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Result<Resolvers, ConfigErrors> {
     let mut errors = Vec::new();
     let mut resolvers = HashMap::new();
     for (model, model_config) in &config.models {
         let mut buckets = Vec::new();
         for (i, b) in model_config.buckets.iter().enumerate() {
-            let path = format!("models.{model}.buckets[{i}].groups");
-            let instance = |stage: Role| format!("{model}/{}/{}", b.id, stage.as_str());
+            let group = |part: &str, g: &GroupConfig, stage: Role| {
+                let site = GroupSite {
+                    path: format!("models.{model}.buckets[{i}].groups.{part}"),
+                    stage,
+                    instance: format!("{model}/{}/{}", b.id, stage.as_str()),
+                    model: model_config,
+                };
+                build_group(&site, g, handles)
+            };
             let groups = match &b.groups {
-                GroupsConfig::Plain(g) => build_group(
-                    &format!("{path}.plain"),
-                    g,
-                    Role::Plain,
-                    &instance(Role::Plain),
-                    handles,
-                )
-                .map(BucketGroups::Plain),
+                GroupsConfig::Plain(g) => group("plain", g, Role::Plain).map(BucketGroups::Plain),
                 GroupsConfig::Pd(pd) => {
-                    let prefill = build_group(
-                        &format!("{path}.pd.prefill"),
-                        &pd.prefill,
-                        Role::Prefill,
-                        &instance(Role::Prefill),
-                        handles,
-                    );
-                    let decode = build_group(
-                        &format!("{path}.pd.decode"),
-                        &pd.decode,
-                        Role::Decode,
-                        &instance(Role::Decode),
-                        handles,
-                    );
-                    match (prefill, decode) {
+                    match (
+                        group("pd.prefill", &pd.prefill, Role::Prefill),
+                        group("pd.decode", &pd.decode, Role::Decode),
+                    ) {
                         (Ok(prefill), Ok(decode)) => Ok(BucketGroups::Pd { prefill, decode }),
                         (Err(p), Err(d)) => {
                             errors.push(p);
@@ -96,18 +86,43 @@ pub fn build_resolvers(
     }
 }
 
-fn build_group(
-    path: &str,
-    group: &GroupConfig,
+/// Where a group sits: its field path, stage, policy instance name and model.
+struct GroupSite<'a> {
+    path: String,
     stage: Role,
-    instance: &str,
-    handles: &StateHandles,
-) -> Result<EngineGroup, ConfigError> {
-    let policy = build_policy(&format!("{path}.policy"), &group.policy, instance, handles)?;
+    instance: String,
+    model: &'a ModelConfig,
+}
+
+fn build_group(site: &GroupSite<'_>, group: &GroupConfig, handles: &StateHandles) -> Result<EngineGroup, ConfigError> {
+    let policy = build_policy(&format!("{}.policy", site.path), &group.policy, &site.instance, site.model, handles)?;
     Ok(match &group.worker_ids {
-        None => EngineGroup::new(stage, policy),
-        Some(ids) => EngineGroup::with_members(stage, ids.iter().cloned(), policy),
+        None => EngineGroup::new(site.stage, policy),
+        Some(ids) => EngineGroup::with_members(site.stage, ids.iter().cloned(), policy),
     })
+}
+
+/// A binding is refreshed at most every tenth of its idle timeout (between 0.1 s and 10 s).
+fn touch_resolution(idle_ms: u64) -> u64 {
+    (idle_ms / 10).clamp(100, 10_000)
+}
+
+/// The same fallback policy with default admission: the owner checks what it returns.
+fn fallback_policy(kind: StickyFallback, instance: &str, handles: &StateHandles) -> Box<dyn Policy> {
+    let gate = AdmissionGate {
+        admission: Arc::new(AdmissionLimits::default()),
+        load: Arc::clone(&handles.load),
+        inflight: Arc::clone(&handles.inflight),
+    };
+    match kind {
+        StickyFallback::RoundRobin => Box::new(RoundRobinPolicy::new(
+            Box::new(SharedCursor::new(Arc::clone(&handles.host), &format!("{instance}/fallback"))),
+            gate,
+        )),
+        StickyFallback::Random => Box::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
+        StickyFallback::PowerOfTwo => Box::new(PowerOfTwoPolicy::new(Arc::clone(&handles.random), gate)),
+        StickyFallback::LoadBased => Box::new(LeastLoadPolicy::new(gate)),
+    }
 }
 
 /// One logical policy instance per role group; `instance` names its shared state.
@@ -115,6 +130,7 @@ pub fn build_policy(
     path: &str,
     config: &PolicyConfig,
     instance: &str,
+    model: &ModelConfig,
     handles: &StateHandles,
 ) -> Result<Arc<dyn Policy>, ConfigError> {
     let gate = AdmissionGate {
@@ -129,13 +145,22 @@ pub fn build_policy(
         PolicyConfig::Random(_) => Arc::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::PowerOfTwo(_) => Arc::new(PowerOfTwoPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::LoadBased(_) => Arc::new(LeastLoadPolicy::new(gate)),
-        PolicyConfig::SessionAware(_) | PolicyConfig::Sticky(_) | PolicyConfig::CacheAware(_) => {
+        PolicyConfig::SessionAware(_) => Arc::new(SessionAwarePolicy::new(
+            Arc::clone(&handles.affinity),
+            gate,
+            Arc::clone(&handles.random),
+            touch_resolution(model.session_idle_ms),
+        )),
+        PolicyConfig::Sticky(c) => Arc::new(StickyPolicy::new(
+            Arc::clone(&handles.affinity),
+            gate,
+            fallback_policy(c.fallback, instance, handles),
+            touch_resolution(model.sticky_idle_ms),
+        )),
+        PolicyConfig::CacheAware(_) => {
             return Err(ConfigError::new(
                 format!("{path}.type"),
-                format!(
-                    "`{}` needs the shared affinity and prefix state, which this build does not have yet; use round_robin, random, power_of_two or load_based",
-                    config.name()
-                ),
+                "`cache_aware` needs the shared prefix index, which this build does not have yet",
             ))
         }
     })
@@ -150,6 +175,7 @@ pub fn check(config: &RouterConfig) -> Result<(), ConfigErrors> {
         inflight: Arc::new(crate::state::load_monitor::MemoryInflight::default()),
         random: Arc::new(crate::policies::SeededRandom::new(0)),
         callouts: Arc::new(crate::host::MemoryCallouts::default()),
+        affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
         host,
     };
     build_resolvers(config, &handles).map(|_| ())

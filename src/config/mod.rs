@@ -19,10 +19,7 @@ pub struct ConfigError {
 
 impl ConfigError {
     pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            path: path.into(),
-            message: message.into(),
-        }
+        Self { path: path.into(), message: message.into() }
     }
 }
 
@@ -32,17 +29,13 @@ impl ConfigError {
 pub struct ConfigErrors(pub Vec<ConfigError>);
 
 fn join(errors: &[ConfigError]) -> String {
-    errors
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ")
+    errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }
 
 /// Parses a JSON router configuration and validates it.
 pub fn parse_and_validate(json: &str) -> Result<RouterConfig, ConfigErrors> {
-    let value: serde_json::Value = serde_json::from_str(json)
-        .map_err(|e| ConfigErrors(vec![ConfigError::new("(document)", e.to_string())]))?;
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| ConfigErrors(vec![ConfigError::new("(document)", e.to_string())]))?;
     from_value(value)
 }
 
@@ -64,11 +57,7 @@ pub fn from_value(value: serde_json::Value) -> Result<RouterConfig, ConfigErrors
 fn deserialize_with_path<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ConfigError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let path = if path == "." {
-            "(document)".to_string()
-        } else {
-            path
-        };
+        let path = if path == "." { "(document)".to_string() } else { path };
         ConfigError::new(path, e.into_inner().to_string())
     })
 }

@@ -38,9 +38,7 @@ fn errors(value: Value) -> Vec<ConfigError> {
 fn has_error(value: Value, path: &str, needle: &str) {
     let found = errors(value);
     assert!(
-        found
-            .iter()
-            .any(|e| e.path == path && e.message.contains(needle)),
+        found.iter().any(|e| e.path == path && e.message.contains(needle)),
         "expected `{path}: …{needle}…`, got {found:?}"
     );
 }
@@ -51,22 +49,13 @@ fn minimal_config_gets_the_spec_defaults() {
     assert_eq!(c.upstream.mode, UpstreamMode::ClusterHeader);
     assert_eq!(c.upstream.header_name(), "x-sgl-cluster");
     assert_eq!(c.load.source, LoadSource::SglangLoads);
-    assert_eq!(
-        (c.load.interval_ms, c.load.timeout_ms, c.load.stale_after_ms),
-        (250, 200, 2000)
-    );
+    assert_eq!((c.load.interval_ms, c.load.timeout_ms, c.load.stale_after_ms), (250, 200, 2000));
     assert_eq!(c.health.path, "/health");
     assert_eq!((c.health.interval_ms, c.health.timeout_ms), (2000, 1000));
-    assert_eq!(
-        (c.health.failure_threshold, c.health.success_threshold),
-        (3, 2)
-    );
+    assert_eq!((c.health.failure_threshold, c.health.success_threshold), (3, 2));
     assert_eq!(c.circuit_breaker, None);
     assert_eq!(c.pd.prefill_timeout_ms, 300_000);
-    assert_eq!(
-        (c.timeouts.request_ms, c.timeouts.stream_idle_ms),
-        (0, 300_000)
-    );
+    assert_eq!((c.timeouts.request_ms, c.timeouts.stream_idle_ms), (0, 300_000));
     assert_eq!(c.tokens.bytes_per_token, 4);
     assert_eq!(c.affinity_sweep_ms, 60_000);
     let m = &c.models["m"];
@@ -74,10 +63,7 @@ fn minimal_config_gets_the_spec_defaults() {
     assert_eq!(m.routing_key_header, "x-sgl-routing-key");
     assert_eq!((m.session_idle_ms, m.sticky_idle_ms), (600_000, 600_000));
     let b = &m.buckets[0];
-    assert_eq!(
-        (b.rank, b.limits.min, b.limits.max, b.max_context_tokens),
-        (0, 0, None, None)
-    );
+    assert_eq!((b.rank, b.limits.min, b.limits.max, b.max_context_tokens), (0, 0, None, None));
     assert_eq!(c.workers[0].role, Role::Plain);
     assert_eq!(c.workers[0].dp_size, 1);
 }
@@ -86,19 +72,13 @@ fn minimal_config_gets_the_spec_defaults() {
 fn original_dst_defaults_its_header() {
     let mut v = minimal();
     v["upstream"] = json!({"mode": "original_dst"});
-    assert_eq!(
-        from_value(v).unwrap().upstream.header_name(),
-        "x-gateway-destination-endpoint"
-    );
+    assert_eq!(from_value(v).unwrap().upstream.header_name(), "x-gateway-destination-endpoint");
 }
 
 #[test]
 fn pd_example_validates() {
     let c = from_value(pd()).unwrap();
-    assert!(matches!(
-        c.models["m"].buckets[0].groups,
-        GroupsConfig::Pd(_)
-    ));
+    assert!(matches!(c.models["m"].buckets[0].groups, GroupsConfig::Pd(_)));
 }
 
 #[test]
@@ -114,15 +94,9 @@ fn unknown_fields_are_rejected_with_their_path() {
 #[test]
 fn unknown_admission_fields_are_rejected() {
     let mut v = minimal();
-    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] =
-        json!({"max_runing_requests": 1});
+    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_runing_requests": 1});
     let found = errors(v);
-    assert!(
-        found
-            .iter()
-            .any(|e| e.message.contains("max_runing_requests")),
-        "{found:?}"
-    );
+    assert!(found.iter().any(|e| e.message.contains("max_runing_requests")), "{found:?}");
 }
 
 #[test]
@@ -142,10 +116,7 @@ fn a_bucket_cannot_be_both_plain_and_pd() {
 #[test]
 fn a_pd_bucket_needs_both_groups() {
     let mut v = pd();
-    v["models"]["m"]["buckets"][0]["groups"]["pd"]
-        .as_object_mut()
-        .unwrap()
-        .remove("decode");
+    v["models"]["m"]["buckets"][0]["groups"]["pd"].as_object_mut().unwrap().remove("decode");
     has_error(v, "models.m.buckets[0].groups.pd", "decode");
 }
 
@@ -153,10 +124,7 @@ fn a_pd_bucket_needs_both_groups() {
 fn bucket_ids_are_unique_and_non_empty() {
     let mut v = minimal();
     let bucket = v["models"]["m"]["buckets"][0].clone();
-    v["models"]["m"]["buckets"]
-        .as_array_mut()
-        .unwrap()
-        .push(bucket);
+    v["models"]["m"]["buckets"].as_array_mut().unwrap().push(bucket);
     has_error(v, "models.m.buckets[1].id", "duplicate bucket id");
     let mut v = minimal();
     v["models"]["m"]["buckets"][0]["id"] = json!(" ");
@@ -180,22 +148,14 @@ fn worker_ids_are_unique_and_groups_name_known_workers() {
     has_error(v, "workers[1].id", "duplicate worker id");
     let mut v = minimal();
     v["models"]["m"]["buckets"][0]["groups"]["plain"]["worker_ids"] = json!(["A", "Z"]);
-    has_error(
-        v,
-        "models.m.buckets[0].groups.plain.worker_ids[1]",
-        "unknown worker `Z`",
-    );
+    has_error(v, "models.m.buckets[0].groups.plain.worker_ids[1]", "unknown worker `Z`");
 }
 
 #[test]
 fn membership_must_match_the_groups_role() {
     let mut v = pd();
     v["models"]["m"]["buckets"][0]["groups"]["pd"]["decode"]["worker_ids"] = json!(["P1"]);
-    has_error(
-        v,
-        "models.m.buckets[0].groups.pd.decode.worker_ids[0]",
-        "role prefill",
-    );
+    has_error(v, "models.m.buckets[0].groups.pd.decode.worker_ids[0]", "role prefill");
 }
 
 #[test]
@@ -204,20 +164,13 @@ fn membership_must_match_the_model() {
     v["workers"][1]["model"] = json!("other");
     v["models"]["other"] = v["models"]["m"].clone();
     v["models"]["m"]["buckets"][0]["groups"]["plain"]["worker_ids"] = json!(["B"]);
-    has_error(
-        v,
-        "models.m.buckets[0].groups.plain.worker_ids[0]",
-        "serves model `other`",
-    );
+    has_error(v, "models.m.buckets[0].groups.plain.worker_ids[0]", "serves model `other`");
 }
 
 #[test]
 fn a_model_cannot_mix_plain_and_pd_engines() {
     let mut v = pd();
-    v["workers"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({"id": "X", "url": "http://10.0.0.3:1", "model": "m"}));
+    v["workers"].as_array_mut().unwrap().push(json!({"id": "X", "url": "http://10.0.0.3:1", "model": "m"}));
     has_error(v, "workers[2].role", "mixes plain and prefill/decode");
 }
 
@@ -252,13 +205,8 @@ fn bootstrap_port_only_on_prefill() {
 #[test]
 fn cache_aware_is_refused_in_decode_groups() {
     let mut v = pd();
-    v["models"]["m"]["buckets"][0]["groups"]["pd"]["decode"]["policy"] =
-        json!({"type": "cache_aware"});
-    has_error(
-        v,
-        "models.m.buckets[0].groups.pd.decode.policy.type",
-        "only in plain and prefill",
-    );
+    v["models"]["m"]["buckets"][0]["groups"]["pd"]["decode"]["policy"] = json!({"type": "cache_aware"});
+    has_error(v, "models.m.buckets[0].groups.pd.decode.policy.type", "only in plain and prefill");
 }
 
 #[test]
@@ -267,65 +215,35 @@ fn pressure_guard_settings_are_refused_outside_cache_aware() {
     v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] =
         json!({"type": "session_aware", "pressure_guard": {"max_extra_waiting_requests": 4}});
     let found = errors(v);
-    assert!(
-        found.iter().any(|e| e.message.contains("pressure_guard")),
-        "{found:?}"
-    );
+    assert!(found.iter().any(|e| e.message.contains("pressure_guard")), "{found:?}");
 }
 
 #[test]
 fn caps_the_load_source_cannot_supply_are_refused() {
     let mut v = minimal();
     v["load"] = json!({"source": "none"});
-    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] =
-        json!({"max_running_requests": 4});
-    has_error(
-        v.clone(),
-        "models.m.buckets[0].groups.plain.policy.admission.max_running_requests",
-        "does not report",
-    );
-    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] =
-        json!({"max_inflight_requests": 4});
-    assert!(
-        errors(v).is_empty(),
-        "in-flight is router-local and always known"
-    );
+    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_running_requests": 4});
+    has_error(v.clone(), "models.m.buckets[0].groups.plain.policy.admission.max_running_requests", "does not report");
+    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_inflight_requests": 4});
+    assert!(errors(v).is_empty(), "in-flight is router-local and always known");
 
     let mut v = minimal();
     v["load"] = json!({"source": "sglang_get_load"});
-    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] =
-        json!({"max_pending_prefill_tokens": 4});
-    has_error(
-        v,
-        "models.m.buckets[0].groups.plain.policy.admission.max_pending_prefill_tokens",
-        "does not report",
-    );
+    v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_pending_prefill_tokens": 4});
+    has_error(v, "models.m.buckets[0].groups.plain.policy.admission.max_pending_prefill_tokens", "does not report");
 }
 
 #[test]
 fn dropped_options_are_refused_by_name() {
-    for (policy, needle) in [
-        ("fused_score", "fused"),
-        ("score_policy", "score"),
-        ("legacy_host_affinity", "legacy"),
-    ] {
+    for (policy, needle) in [("fused_score", "fused"), ("score_policy", "score"), ("legacy_host_affinity", "legacy")] {
         let mut v = minimal();
         v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] = json!({"type": policy});
         has_error(v, "models.m.buckets[0].groups.plain.policy.type", needle);
     }
-    for key in [
-        "stable_pair",
-        "affinity_mode",
-        "prefix_cache_min_share",
-        "fuse",
-    ] {
+    for key in ["stable_pair", "affinity_mode", "prefix_cache_min_share", "fuse"] {
         let mut v = minimal();
         v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"][key] = json!(true);
-        has_error(
-            v,
-            &format!("models.m.buckets[0].groups.plain.policy.{key}"),
-            "not supported",
-        );
+        has_error(v, &format!("models.m.buckets[0].groups.plain.policy.{key}"), "not supported");
     }
 }
 

@@ -182,9 +182,7 @@ pub struct PdConfig {
 
 impl Default for PdConfig {
     fn default() -> Self {
-        Self {
-            prefill_timeout_ms: defaults::prefill_timeout_ms(),
-        }
+        Self { prefill_timeout_ms: defaults::prefill_timeout_ms() }
     }
 }
 
@@ -199,10 +197,7 @@ pub struct TimeoutsConfig {
 
 impl Default for TimeoutsConfig {
     fn default() -> Self {
-        Self {
-            request_ms: 0,
-            stream_idle_ms: defaults::stream_idle_ms(),
-        }
+        Self { request_ms: 0, stream_idle_ms: defaults::stream_idle_ms() }
     }
 }
 
@@ -224,10 +219,7 @@ pub struct TokensConfig {
 
 impl Default for TokensConfig {
     fn default() -> Self {
-        Self {
-            estimator: TokenEstimator::Bytes,
-            bytes_per_token: defaults::bytes_per_token(),
-        }
+        Self { estimator: TokenEstimator::Bytes, bytes_per_token: defaults::bytes_per_token() }
     }
 }
 

@@ -3,10 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{
-    AdmissionLimits, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, Role,
-    RouterConfig,
-};
+use super::{AdmissionLimits, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, Role, RouterConfig};
 use crate::registry::EngineAddress;
 
 pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
@@ -17,39 +14,24 @@ pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
     errors
 }
 
-fn validate_workers<'a>(
-    config: &'a RouterConfig,
-    errors: &mut Vec<ConfigError>,
-) -> HashMap<&'a str, (&'a str, Role)> {
+fn validate_workers<'a>(config: &'a RouterConfig, errors: &mut Vec<ConfigError>) -> HashMap<&'a str, (&'a str, Role)> {
     let mut by_id = HashMap::new();
     let mut clusters = HashSet::new();
     if config.workers.is_empty() {
-        errors.push(ConfigError::new(
-            "workers",
-            "at least one worker is required",
-        ));
+        errors.push(ConfigError::new("workers", "at least one worker is required"));
     }
     for (i, w) in config.workers.iter().enumerate() {
         let path = format!("workers[{i}]");
         if w.id.trim().is_empty() {
             errors.push(ConfigError::new(format!("{path}.id"), "must not be empty"));
-        } else if by_id
-            .insert(w.id.as_str(), (w.model.as_str(), w.role))
-            .is_some()
-        {
-            errors.push(ConfigError::new(
-                format!("{path}.id"),
-                format!("duplicate worker id `{}`", w.id),
-            ));
+        } else if by_id.insert(w.id.as_str(), (w.model.as_str(), w.role)).is_some() {
+            errors.push(ConfigError::new(format!("{path}.id"), format!("duplicate worker id `{}`", w.id)));
         }
         if let Err(e) = EngineAddress::parse(&w.url) {
             errors.push(ConfigError::new(format!("{path}.url"), e.to_string()));
         }
         if w.model.trim().is_empty() {
-            errors.push(ConfigError::new(
-                format!("{path}.model"),
-                "must not be empty",
-            ));
+            errors.push(ConfigError::new(format!("{path}.model"), "must not be empty"));
         } else if !config.models.contains_key(&w.model) {
             errors.push(ConfigError::new(
                 format!("{path}.model"),
@@ -57,16 +39,11 @@ fn validate_workers<'a>(
             ));
         }
         if w.bootstrap_port.is_some() && w.role != Role::Prefill {
-            errors.push(ConfigError::new(
-                format!("{path}.bootstrap_port"),
-                "only prefill workers have a bootstrap port",
-            ));
+            errors
+                .push(ConfigError::new(format!("{path}.bootstrap_port"), "only prefill workers have a bootstrap port"));
         }
         if w.dp_size == 0 {
-            errors.push(ConfigError::new(
-                format!("{path}.dp_size"),
-                "must be at least 1",
-            ));
+            errors.push(ConfigError::new(format!("{path}.dp_size"), "must be at least 1"));
         }
         let cluster = crate::registry::cluster_name(w);
         if !is_cluster_name(&cluster) {
@@ -75,10 +52,7 @@ fn validate_workers<'a>(
                 format!("`{cluster}` is not a usable Envoy cluster name (letters, digits, `_`, `-`, `.`)"),
             ));
         } else if !clusters.insert(cluster.clone()) {
-            errors.push(ConfigError::new(
-                format!("{path}.cluster"),
-                format!("duplicate cluster `{cluster}`"),
-            ));
+            errors.push(ConfigError::new(format!("{path}.cluster"), format!("duplicate cluster `{cluster}`")));
         }
     }
     validate_model_roles(config, errors);
@@ -109,10 +83,7 @@ fn validate_model_roles(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
 fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     let header = config.upstream.header_name();
     if !is_header_name(header) {
-        errors.push(ConfigError::new(
-            "upstream.header",
-            format!("`{header}` is not a lowercase HTTP header name"),
-        ));
+        errors.push(ConfigError::new("upstream.header", format!("`{header}` is not a lowercase HTTP header name")));
     }
     if config.load.source != LoadSource::None {
         positive(errors, "load.interval_ms", config.load.interval_ms);
@@ -125,42 +96,18 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     }
     positive(errors, "health.interval_ms", h.interval_ms);
     positive(errors, "health.timeout_ms", h.timeout_ms);
-    positive(
-        errors,
-        "health.failure_threshold",
-        u64::from(h.failure_threshold),
-    );
-    positive(
-        errors,
-        "health.success_threshold",
-        u64::from(h.success_threshold),
-    );
+    positive(errors, "health.failure_threshold", u64::from(h.failure_threshold));
+    positive(errors, "health.success_threshold", u64::from(h.success_threshold));
     if let Some(cb) = &config.circuit_breaker {
-        positive(
-            errors,
-            "circuit_breaker.failure_threshold",
-            u64::from(cb.failure_threshold),
-        );
+        positive(errors, "circuit_breaker.failure_threshold", u64::from(cb.failure_threshold));
         positive(errors, "circuit_breaker.cooldown_ms", cb.cooldown_ms);
     }
-    positive(
-        errors,
-        "pd.prefill_timeout_ms",
-        config.pd.prefill_timeout_ms,
-    );
-    positive(
-        errors,
-        "tokens.bytes_per_token",
-        config.tokens.bytes_per_token,
-    );
+    positive(errors, "pd.prefill_timeout_ms", config.pd.prefill_timeout_ms);
+    positive(errors, "tokens.bytes_per_token", config.tokens.bytes_per_token);
     positive(errors, "affinity_sweep_ms", config.affinity_sweep_ms);
 }
 
-fn validate_models(
-    config: &RouterConfig,
-    workers: &HashMap<&str, (&str, Role)>,
-    errors: &mut Vec<ConfigError>,
-) {
+fn validate_models(config: &RouterConfig, workers: &HashMap<&str, (&str, Role)>, errors: &mut Vec<ConfigError>) {
     if config.models.is_empty() {
         errors.push(ConfigError::new("models", "at least one model is required"));
     }
@@ -169,10 +116,9 @@ fn validate_models(
         if name.trim().is_empty() {
             errors.push(ConfigError::new(&path, "model name must not be empty"));
         }
-        for (field, value) in [
-            ("session_id_header", &model.session_id_header),
-            ("routing_key_header", &model.routing_key_header),
-        ] {
+        for (field, value) in
+            [("session_id_header", &model.session_id_header), ("routing_key_header", &model.routing_key_header)]
+        {
             if !is_header_name(value) {
                 errors.push(ConfigError::new(
                     format!("{path}.{field}"),
@@ -180,36 +126,19 @@ fn validate_models(
                 ));
             }
         }
-        positive(
-            errors,
-            &format!("{path}.session_idle_ms"),
-            model.session_idle_ms,
-        );
-        positive(
-            errors,
-            &format!("{path}.sticky_idle_ms"),
-            model.sticky_idle_ms,
-        );
+        positive(errors, &format!("{path}.session_idle_ms"), model.session_idle_ms);
+        positive(errors, &format!("{path}.sticky_idle_ms"), model.sticky_idle_ms);
         if model.buckets.is_empty() {
-            errors.push(ConfigError::new(
-                format!("{path}.buckets"),
-                "at least one bucket is required",
-            ));
+            errors.push(ConfigError::new(format!("{path}.buckets"), "at least one bucket is required"));
         }
-        let model_is_pd = config
-            .workers
-            .iter()
-            .any(|w| w.model == *name && w.role != Role::Plain);
+        let model_is_pd = config.workers.iter().any(|w| w.model == *name && w.role != Role::Plain);
         let mut ids = HashSet::new();
         for (b, bucket) in model.buckets.iter().enumerate() {
             let bpath = format!("{path}.buckets[{b}]");
             if bucket.id.trim().is_empty() {
                 errors.push(ConfigError::new(format!("{bpath}.id"), "must not be empty"));
             } else if !ids.insert(bucket.id.as_str()) {
-                errors.push(ConfigError::new(
-                    format!("{bpath}.id"),
-                    format!("duplicate bucket id `{}`", bucket.id),
-                ));
+                errors.push(ConfigError::new(format!("{bpath}.id"), format!("duplicate bucket id `{}`", bucket.id)));
             }
             if let Some(max) = bucket.limits.max {
                 if max < bucket.limits.min {
@@ -220,17 +149,9 @@ fn validate_models(
                 }
             }
             if bucket.max_context_tokens == Some(0) {
-                errors.push(ConfigError::new(
-                    format!("{bpath}.max_context_tokens"),
-                    "must be at least 1",
-                ));
+                errors.push(ConfigError::new(format!("{bpath}.max_context_tokens"), "must be at least 1"));
             }
-            let mut ctx = GroupCheck {
-                config,
-                model: name,
-                workers,
-                errors: &mut *errors,
-            };
+            let mut ctx = GroupCheck { config, model: name, workers, errors: &mut *errors };
             match &bucket.groups {
                 GroupsConfig::Plain(group) => {
                     if model_is_pd {
@@ -249,16 +170,8 @@ fn validate_models(
                         ));
                     }
 
-                    ctx.check(
-                        &format!("{bpath}.groups.pd.prefill"),
-                        &pd.prefill,
-                        Role::Prefill,
-                    );
-                    ctx.check(
-                        &format!("{bpath}.groups.pd.decode"),
-                        &pd.decode,
-                        Role::Decode,
-                    );
+                    ctx.check(&format!("{bpath}.groups.pd.prefill"), &pd.prefill, Role::Prefill);
+                    ctx.check(&format!("{bpath}.groups.pd.decode"), &pd.decode, Role::Decode);
                 }
             }
         }
@@ -279,24 +192,17 @@ impl GroupCheck<'_, '_> {
             for (i, id) in ids.iter().enumerate() {
                 let wpath = format!("{path}.worker_ids[{i}]");
                 if !seen.insert(id) {
-                    self.errors
-                        .push(ConfigError::new(&wpath, format!("`{id}` is listed twice")));
+                    self.errors.push(ConfigError::new(&wpath, format!("`{id}` is listed twice")));
                 }
                 match self.workers.get(id.as_str()) {
-                    None => self
-                        .errors
-                        .push(ConfigError::new(&wpath, format!("unknown worker `{id}`"))),
+                    None => self.errors.push(ConfigError::new(&wpath, format!("unknown worker `{id}`"))),
                     Some((model, _)) if *model != self.model => self.errors.push(ConfigError::new(
                         &wpath,
                         format!("worker `{id}` serves model `{model}`, not `{}`", self.model),
                     )),
                     Some((_, r)) if *r != role => self.errors.push(ConfigError::new(
                         &wpath,
-                        format!(
-                            "worker `{id}` has role {}, this group needs {}",
-                            r.as_str(),
-                            role.as_str()
-                        ),
+                        format!("worker `{id}` has role {}, this group needs {}", r.as_str(), role.as_str()),
                     )),
                     Some(_) => {}
                 }
@@ -320,38 +226,23 @@ impl GroupCheck<'_, '_> {
             ] {
                 if let Some(r) = ratio {
                     if !(r > 0.0 && r <= 1.0) {
-                        self.errors.push(ConfigError::new(
-                            format!("{path}.{field}"),
-                            "must be in (0, 1]",
-                        ));
+                        self.errors.push(ConfigError::new(format!("{path}.{field}"), "must be in (0, 1]"));
                     }
                 }
             }
             if c.min_candidates == 0 {
-                self.errors.push(ConfigError::new(
-                    format!("{path}.min_candidates"),
-                    "must be at least 1",
-                ));
+                self.errors.push(ConfigError::new(format!("{path}.min_candidates"), "must be at least 1"));
             }
             if let Some(max) = c.max_candidates {
                 if max < c.min_candidates {
-                    self.errors.push(ConfigError::new(
-                        format!("{path}.max_candidates"),
-                        "must be at least min_candidates",
-                    ));
+                    self.errors
+                        .push(ConfigError::new(format!("{path}.max_candidates"), "must be at least min_candidates"));
                 }
             }
             if c.min_load_choices == 0 {
-                self.errors.push(ConfigError::new(
-                    format!("{path}.min_load_choices"),
-                    "must be at least 1",
-                ));
+                self.errors.push(ConfigError::new(format!("{path}.min_load_choices"), "must be at least 1"));
             }
-            positive(
-                self.errors,
-                &format!("{path}.max_tree_tokens"),
-                c.max_tree_tokens,
-            );
+            positive(self.errors, &format!("{path}.max_tree_tokens"), c.max_tree_tokens);
         }
         self.check_admission(&format!("{path}.admission"), policy.admission());
     }
@@ -360,32 +251,23 @@ impl GroupCheck<'_, '_> {
     fn check_admission(&mut self, path: &str, limits: &AdmissionLimits) {
         let source = self.config.load.source;
         let reported = [
-            (
-                "max_running_requests",
-                limits.max_running_requests,
-                source != LoadSource::None,
-            ),
-            (
-                "max_waiting_requests",
-                limits.max_waiting_requests,
-                source != LoadSource::None,
-            ),
+            ("max_running_requests", limits.max_running_requests, source != LoadSource::None),
+            ("max_waiting_requests", limits.max_waiting_requests, source != LoadSource::None),
             (
                 "max_kv_tokens",
                 limits.max_kv_tokens,
                 matches!(source, LoadSource::SglangLoads | LoadSource::SglangGetLoad),
             ),
-            (
-                "max_pending_prefill_tokens",
-                limits.max_pending_prefill_tokens,
-                source == LoadSource::SglangLoads,
-            ),
+            ("max_pending_prefill_tokens", limits.max_pending_prefill_tokens, source == LoadSource::SglangLoads),
         ];
         for (field, cap, supplied) in reported {
             if cap.is_some() && !supplied {
                 self.errors.push(ConfigError::new(
                     format!("{path}.{field}"),
-                    format!("load.source `{}` does not report this metric, so the cap could never be checked", source.as_str()),
+                    format!(
+                        "load.source `{}` does not report this metric, so the cap could never be checked",
+                        source.as_str()
+                    ),
                 ));
             }
         }
@@ -399,15 +281,9 @@ fn positive(errors: &mut Vec<ConfigError>, path: &str, value: u64) {
 }
 
 fn is_header_name(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 fn is_cluster_name(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }

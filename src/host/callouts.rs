@@ -78,17 +78,11 @@ impl CalloutBoard {
     }
 
     pub fn is_outstanding(&self, token: u32) -> bool {
-        self.slots
-            .lock()
-            .map(|s| s.contains_key(&token))
-            .unwrap_or(false)
+        self.slots.lock().map(|s| s.contains_key(&token)).unwrap_or(false)
     }
 
     pub fn tokens(&self) -> Vec<u32> {
-        self.slots
-            .lock()
-            .map(|s| s.keys().copied().collect())
-            .unwrap_or_default()
+        self.slots.lock().map(|s| s.keys().copied().collect()).unwrap_or_default()
     }
 }
 
@@ -108,13 +102,8 @@ pub struct MemoryCallouts {
 
 impl Callouts for MemoryCallouts {
     fn dispatch(&self, request: CalloutRequest) -> Result<CalloutFuture, HostError> {
-        let mut sent = self
-            .sent
-            .lock()
-            .map_err(|_| HostError::Failed("poisoned".into()))?;
-        let token = u32::try_from(sent.len())
-            .unwrap_or(u32::MAX)
-            .saturating_add(1);
+        let mut sent = self.sent.lock().map_err(|_| HostError::Failed("poisoned".into()))?;
+        let token = u32::try_from(sent.len()).unwrap_or(u32::MAX).saturating_add(1);
         sent.push((token, request));
         Ok(self.board.register(token))
     }
@@ -147,27 +136,9 @@ mod tests {
         let mut future = callouts.dispatch(request).unwrap();
         assert!(poll(&mut future).is_pending());
         assert!(callouts.board().is_outstanding(1));
-        assert!(!callouts.board().complete(
-            99,
-            CalloutResponse {
-                status: None,
-                body: vec![]
-            }
-        ));
-        assert!(callouts.board().complete(
-            1,
-            CalloutResponse {
-                status: Some(200),
-                body: b"ok".to_vec()
-            }
-        ));
-        assert_eq!(
-            poll(&mut future),
-            Poll::Ready(CalloutResponse {
-                status: Some(200),
-                body: b"ok".to_vec()
-            })
-        );
+        assert!(!callouts.board().complete(99, CalloutResponse { status: None, body: vec![] }));
+        assert!(callouts.board().complete(1, CalloutResponse { status: Some(200), body: b"ok".to_vec() }));
+        assert_eq!(poll(&mut future), Poll::Ready(CalloutResponse { status: Some(200), body: b"ok".to_vec() }));
         assert!(!callouts.board().is_outstanding(1));
     }
 }

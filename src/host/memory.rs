@@ -62,13 +62,7 @@ impl Host for MemoryHost {
                 existing.cas = existing.cas.wrapping_add(1).max(1);
             }
             None => {
-                data.insert(
-                    key.to_string(),
-                    SharedValue {
-                        bytes: value.to_vec(),
-                        cas: 1,
-                    },
-                );
+                data.insert(key.to_string(), SharedValue { bytes: value.to_vec(), cas: 1 });
             }
         }
         Ok(())
@@ -96,10 +90,7 @@ mod tests {
         host.shared_set("k", b"a", None).unwrap();
         let v = host.shared_get("k").unwrap().unwrap();
         host.shared_set("k", b"b", Some(v.cas)).unwrap();
-        assert_eq!(
-            host.shared_set("k", b"c", Some(v.cas)),
-            Err(HostError::CasMismatch)
-        );
+        assert_eq!(host.shared_set("k", b"c", Some(v.cas)), Err(HostError::CasMismatch));
         assert_eq!(host.shared_get("k").unwrap().unwrap().bytes, b"b");
     }
 

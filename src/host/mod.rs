@@ -4,9 +4,7 @@
 pub mod callouts;
 mod memory;
 
-pub use callouts::{
-    CalloutBoard, CalloutFuture, CalloutRequest, CalloutResponse, Callouts, MemoryCallouts,
-};
+pub use callouts::{CalloutBoard, CalloutFuture, CalloutRequest, CalloutResponse, Callouts, MemoryCallouts};
 pub use memory::MemoryHost;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -82,27 +82,11 @@ impl EngineAdmission for AdmissionLimits {
     fn check(&self, _engine: &Worker, m: &EngineMetrics) -> Result<Admission, AdmissionError> {
         // A cap admits while the metric is below it; an unknown metric is not checked.
         let checks = [
-            (
-                Limit::MaxRunningRequests,
-                self.max_running_requests,
-                m.running,
-            ),
-            (
-                Limit::MaxWaitingRequests,
-                self.max_waiting_requests,
-                m.waiting,
-            ),
+            (Limit::MaxRunningRequests, self.max_running_requests, m.running),
+            (Limit::MaxWaitingRequests, self.max_waiting_requests, m.waiting),
             (Limit::MaxKvTokens, self.max_kv_tokens, m.kv_tokens),
-            (
-                Limit::MaxPendingPrefillTokens,
-                self.max_pending_prefill_tokens,
-                m.pending_prefill_tokens,
-            ),
-            (
-                Limit::MaxInflightRequests,
-                self.max_inflight_requests,
-                Some(m.inflight),
-            ),
+            (Limit::MaxPendingPrefillTokens, self.max_pending_prefill_tokens, m.pending_prefill_tokens),
+            (Limit::MaxInflightRequests, self.max_inflight_requests, Some(m.inflight)),
         ];
         for (limit, cap, metric) in checks {
             if let (Some(cap), Some(value)) = (cap, metric) {
@@ -130,10 +114,9 @@ pub fn admit_or_reject(
 ) -> Result<(), PickError> {
     match admission.check(engine, metrics) {
         Ok(Admission::Allow) => Ok(()),
-        Ok(Admission::Reject(limit)) => Err(PickError::AdmissionRejected(Rejection {
-            worker: engine.id.clone(),
-            limit,
-        })),
+        Ok(Admission::Reject(limit)) => {
+            Err(PickError::AdmissionRejected(Rejection { worker: engine.id.clone(), limit }))
+        }
         Err(e) => Err(PickError::InvalidSignal(e.to_string())),
     }
 }
@@ -161,28 +144,10 @@ mod tests {
 
     #[test]
     fn a_cap_admits_while_the_metric_is_below_it() {
-        let limits = AdmissionLimits {
-            max_running_requests: Some(4),
-            ..Default::default()
-        };
+        let limits = AdmissionLimits { max_running_requests: Some(4), ..Default::default() };
+        assert_eq!(check(limits, EngineMetrics { running: Some(3), ..Default::default() }), Admission::Allow);
         assert_eq!(
-            check(
-                limits,
-                EngineMetrics {
-                    running: Some(3),
-                    ..Default::default()
-                }
-            ),
-            Admission::Allow
-        );
-        assert_eq!(
-            check(
-                limits,
-                EngineMetrics {
-                    running: Some(4),
-                    ..Default::default()
-                }
-            ),
+            check(limits, EngineMetrics { running: Some(4), ..Default::default() }),
             Admission::Reject(Limit::MaxRunningRequests)
         );
     }
@@ -191,47 +156,23 @@ mod tests {
     fn each_cap_checks_its_own_metric() {
         let cases = [
             (
-                AdmissionLimits {
-                    max_waiting_requests: Some(1),
-                    ..Default::default()
-                },
-                EngineMetrics {
-                    waiting: Some(1),
-                    ..Default::default()
-                },
+                AdmissionLimits { max_waiting_requests: Some(1), ..Default::default() },
+                EngineMetrics { waiting: Some(1), ..Default::default() },
                 Limit::MaxWaitingRequests,
             ),
             (
-                AdmissionLimits {
-                    max_kv_tokens: Some(10),
-                    ..Default::default()
-                },
-                EngineMetrics {
-                    kv_tokens: Some(11),
-                    ..Default::default()
-                },
+                AdmissionLimits { max_kv_tokens: Some(10), ..Default::default() },
+                EngineMetrics { kv_tokens: Some(11), ..Default::default() },
                 Limit::MaxKvTokens,
             ),
             (
-                AdmissionLimits {
-                    max_pending_prefill_tokens: Some(5),
-                    ..Default::default()
-                },
-                EngineMetrics {
-                    pending_prefill_tokens: Some(5),
-                    ..Default::default()
-                },
+                AdmissionLimits { max_pending_prefill_tokens: Some(5), ..Default::default() },
+                EngineMetrics { pending_prefill_tokens: Some(5), ..Default::default() },
                 Limit::MaxPendingPrefillTokens,
             ),
             (
-                AdmissionLimits {
-                    max_inflight_requests: Some(2),
-                    ..Default::default()
-                },
-                EngineMetrics {
-                    inflight: 2,
-                    ..Default::default()
-                },
+                AdmissionLimits { max_inflight_requests: Some(2), ..Default::default() },
+                EngineMetrics { inflight: 2, ..Default::default() },
                 Limit::MaxInflightRequests,
             ),
         ];
@@ -254,26 +195,14 @@ mod tests {
 
     #[test]
     fn in_flight_is_always_known() {
-        let limits = AdmissionLimits {
-            max_inflight_requests: Some(0),
-            ..Default::default()
-        };
-        assert_eq!(
-            check(limits, EngineMetrics::default()),
-            Admission::Reject(Limit::MaxInflightRequests)
-        );
+        let limits = AdmissionLimits { max_inflight_requests: Some(0), ..Default::default() };
+        assert_eq!(check(limits, EngineMetrics::default()), Admission::Reject(Limit::MaxInflightRequests));
     }
 
     #[test]
     fn metrics_from_a_missing_report_are_unknown_not_zero() {
         let m = EngineMetrics::from_load(None, 3);
-        assert_eq!(
-            m,
-            EngineMetrics {
-                inflight: 3,
-                ..Default::default()
-            }
-        );
+        assert_eq!(m, EngineMetrics { inflight: 3, ..Default::default() });
     }
 }
 

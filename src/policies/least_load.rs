@@ -32,9 +32,7 @@ impl LeastLoadPolicy {
                 let load = match snapshot.get(&w.id) {
                     Some(report) => match (report.running, report.waiting) {
                         (Some(r), Some(q)) => {
-                            let since = inflight
-                                .dispatched_total(&w.id)
-                                .saturating_sub(report.dispatches_at_report);
+                            let since = inflight.dispatched_total(&w.id).saturating_sub(report.dispatches_at_report);
                             r.saturating_add(q).saturating_add(since)
                         }
                         _ => local,
@@ -51,12 +49,7 @@ impl LeastLoadPolicy {
             return Err(PickError::no_candidates("load_based has no candidates"));
         };
         match self.gate.check_with(best, snapshot.get(&best.id)) {
-            Ok(()) => {
-                return Ok(Pick {
-                    worker: Arc::clone(best),
-                    reason: PickReason::LeastLoad,
-                })
-            }
+            Ok(()) => return Ok(Pick { worker: Arc::clone(best), reason: PickReason::LeastLoad }),
             Err(PickError::AdmissionRejected(_)) => {}
             Err(other) => return Err(other),
         }
@@ -64,12 +57,7 @@ impl LeastLoadPolicy {
         let mut rejections = Vec::new();
         for (_, _, worker) in ranked {
             match self.gate.check_with(worker, snapshot.get(&worker.id)) {
-                Ok(()) => {
-                    return Ok(Pick {
-                        worker: Arc::clone(worker),
-                        reason: PickReason::LeastLoad,
-                    })
-                }
+                Ok(()) => return Ok(Pick { worker: Arc::clone(worker), reason: PickReason::LeastLoad }),
                 Err(PickError::AdmissionRejected(r)) => rejections.push(r),
                 Err(other) => return Err(other),
             }
@@ -103,18 +91,8 @@ mod tests {
     #[test]
     fn reported_running_plus_waiting_decides() {
         let s = State::new();
-        s.loads(&[
-            ("A", native_load(3, 3)),
-            ("B", native_load(4, 1)),
-            ("C", basic_load(1, 9)),
-        ]);
-        assert_eq!(
-            pick(&s, AdmissionLimits::default(), &["A", "B", "C"])
-                .unwrap()
-                .worker
-                .id,
-            "B"
-        );
+        s.loads(&[("A", native_load(3, 3)), ("B", native_load(4, 1)), ("C", basic_load(1, 9))]);
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().worker.id, "B");
     }
 
     #[test]
@@ -130,13 +108,7 @@ mod tests {
             s.inflight.release("A");
         }
         // A: 1 reported + 3 sent since the report = 4 > B's 3.
-        assert_eq!(
-            pick(&s, AdmissionLimits::default(), &["A", "B"])
-                .unwrap()
-                .worker
-                .id,
-            "B"
-        );
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().worker.id, "B");
     }
 
     #[test]
@@ -144,64 +116,33 @@ mod tests {
         let s = State::new();
         s.inflight.set("A", 5);
         s.inflight.set("B", 2);
-        assert_eq!(
-            pick(&s, AdmissionLimits::default(), &["A", "B"])
-                .unwrap()
-                .worker
-                .id,
-            "B"
-        );
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().worker.id, "B");
     }
 
     #[test]
     fn ties_go_to_fewer_in_flight_then_lower_id() {
         let s = State::new();
-        s.loads(&[
-            ("A", native_load(2, 0)),
-            ("B", native_load(2, 0)),
-            ("C", native_load(2, 0)),
-        ]);
+        s.loads(&[("A", native_load(2, 0)), ("B", native_load(2, 0)), ("C", native_load(2, 0))]);
         s.inflight.set("A", 1);
-        assert_eq!(
-            pick(&s, AdmissionLimits::default(), &["A", "B", "C"])
-                .unwrap()
-                .worker
-                .id,
-            "B"
-        );
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().worker.id, "B");
         s.inflight.set("B", 1);
         s.inflight.set("C", 1);
-        assert_eq!(
-            pick(&s, AdmissionLimits::default(), &["A", "B", "C"])
-                .unwrap()
-                .worker
-                .id,
-            "A"
-        );
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().worker.id, "A");
     }
 
     #[test]
     fn rejected_engines_are_skipped_and_exhaustion_lists_every_rejection() {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(5, 0))]);
-        let limits = AdmissionLimits {
-            max_running_requests: Some(5),
-            max_inflight_requests: Some(1),
-            ..Default::default()
-        };
+        let limits =
+            AdmissionLimits { max_running_requests: Some(5), max_inflight_requests: Some(1), ..Default::default() };
         s.inflight.set("A", 1);
         assert_eq!(
             pick(&s, limits, &["A", "B"]).unwrap_err(),
             PickError::NoAdmissibleEngine {
                 rejections: vec![
-                    Rejection {
-                        worker: "A".into(),
-                        limit: Limit::MaxInflightRequests
-                    },
-                    Rejection {
-                        worker: "B".into(),
-                        limit: Limit::MaxRunningRequests
-                    },
+                    Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests },
+                    Rejection { worker: "B".into(), limit: Limit::MaxRunningRequests },
                 ]
             }
         );

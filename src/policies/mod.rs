@@ -3,11 +3,14 @@
 //! ready future; the filter polls a pending one again from its callouts.
 
 pub mod admission;
+mod binding;
 mod least_load;
 mod power_of_two;
 pub mod pressure;
 mod random;
 mod round_robin;
+mod session_aware;
+mod sticky;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +23,8 @@ use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 pub use random::RandomPolicy;
 pub use round_robin::{MemoryCursor, RoundRobinCursor, RoundRobinPolicy, SharedCursor};
+pub use session_aware::SessionAwarePolicy;
+pub use sticky::StickyPolicy;
 
 use crate::config::Role;
 use crate::host::Host;
@@ -54,6 +59,12 @@ pub enum PickReason {
     /// At least one sampled engine had no fresh native report; router-local counts decided.
     RouterLocalLoad,
     LeastLoad,
+    /// An admitted session or routing-key binding was reused.
+    BoundReuse,
+    /// The fallback chose the engine and it is now bound.
+    NewBinding,
+    /// No key: the fallback chose, and nothing was bound.
+    NoKey,
 }
 
 impl PickReason {
@@ -67,6 +78,9 @@ impl PickReason {
             PickReason::FirstSampled => "first_sampled",
             PickReason::RouterLocalLoad => "router_local_load",
             PickReason::LeastLoad => "least_load",
+            PickReason::BoundReuse => "bound_reuse",
+            PickReason::NewBinding => "new_binding",
+            PickReason::NoKey => "no_key",
         }
     }
 }
@@ -106,9 +120,7 @@ pub enum PickError {
 
 impl PickError {
     pub fn no_candidates(reason: impl Into<String>) -> Self {
-        PickError::NoCandidates {
-            reason: reason.into(),
-        }
+        PickError::NoCandidates { reason: reason.into() }
     }
 }
 

@@ -31,11 +31,7 @@ impl PowerOfTwoPolicy {
         (first, second)
     }
 
-    fn choose(
-        &self,
-        engines: &[Arc<Worker>],
-        request: &PickRequest<'_>,
-    ) -> Result<Pick, PickError> {
+    fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let snapshot = self.gate.load.snapshot();
         let (chosen, reason) = match engines {
             [] => return Err(PickError::no_candidates("power_of_two has no candidates")),
@@ -53,9 +49,7 @@ impl PowerOfTwoPolicy {
                     Ordering::Equal => (a, PickReason::FirstSampled),
                 };
                 match (snapshot.get(&a.id), snapshot.get(&b.id)) {
-                    (Some(la), Some(lb))
-                        if la.is_native_with_capacity() && lb.is_native_with_capacity() =>
-                    {
+                    (Some(la), Some(lb)) if la.is_native_with_capacity() && lb.is_native_with_capacity() => {
                         match compare_for_stage(request.stage, la, lb) {
                             Ordering::Less => (a, PickReason::LowerPressure),
                             Ordering::Greater => (b, PickReason::LowerPressure),
@@ -71,10 +65,7 @@ impl PowerOfTwoPolicy {
             }
         };
         self.gate.check_with(chosen, snapshot.get(&chosen.id))?;
-        Ok(Pick {
-            worker: Arc::clone(chosen),
-            reason,
-        })
+        Ok(Pick { worker: Arc::clone(chosen), reason })
     }
 }
 
@@ -107,10 +98,7 @@ mod tests {
         fn picking(n: usize, first: usize, second: usize) -> Arc<Self> {
             let to_draw = |i: usize, n: usize| (((i as u128) << 64) / n as u128 + 1) as u64;
             let second_rank = if second > first { second - 1 } else { second };
-            Arc::new(Self(Mutex::new(vec![
-                to_draw(second_rank, n - 1),
-                to_draw(first, n),
-            ])))
+            Arc::new(Self(Mutex::new(vec![to_draw(second_rank, n - 1), to_draw(first, n)])))
         }
     }
 
@@ -127,16 +115,9 @@ mod tests {
     #[test]
     fn a_single_candidate_is_taken_directly() {
         let s = State::new();
-        let p = p2c(
-            Arc::new(Draws(Mutex::new(vec![]))),
-            &s,
-            AdmissionLimits::default(),
-        );
+        let p = p2c(Arc::new(Draws(Mutex::new(vec![]))), &s, AdmissionLimits::default());
         let pick = now(p.pick(&workers(&["A"]), &request(Role::Plain))).unwrap();
-        assert_eq!(
-            (pick.worker.id.as_str(), pick.reason),
-            ("A", PickReason::SingleCandidate)
-        );
+        assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::SingleCandidate));
     }
 
     #[test]
@@ -146,18 +127,12 @@ mod tests {
         let p = p2c(
             Arc::new(Draws(Mutex::new(vec![]))),
             &s,
-            AdmissionLimits {
-                max_running_requests: Some(8),
-                ..Default::default()
-            },
+            AdmissionLimits { max_running_requests: Some(8), ..Default::default() },
         );
         let err = now(p.pick(&workers(&["A"]), &request(Role::Plain))).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection {
-                worker: "A".into(),
-                limit: Limit::MaxRunningRequests
-            })
+            PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxRunningRequests })
         );
     }
 
@@ -167,25 +142,15 @@ mod tests {
         let p = p2c(
             Arc::new(SeededRandom::new(1)),
             &s,
-            AdmissionLimits {
-                max_inflight_requests: Some(0),
-                ..Default::default()
-            },
+            AdmissionLimits { max_inflight_requests: Some(0), ..Default::default() },
         );
-        assert!(matches!(
-            now(p.pick(&[], &request(Role::Plain))),
-            Err(PickError::NoCandidates { .. })
-        ));
+        assert!(matches!(now(p.pick(&[], &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
     }
 
     #[test]
     fn two_distinct_candidates_are_sampled_uniformly() {
         let s = State::new();
-        let p = p2c(
-            Arc::new(SeededRandom::new(42)),
-            &s,
-            AdmissionLimits::default(),
-        );
+        let p = p2c(Arc::new(SeededRandom::new(42)), &s, AdmissionLimits::default());
         let mut pairs = HashSet::new();
         let mut firsts = [0u32; 4];
         for _ in 0..4000 {
@@ -204,10 +169,7 @@ mod tests {
         s.loads(&[("A", native_load(0, 9)), ("B", native_load(5, 1))]);
         let p = p2c(Draws::picking(3, 0, 1), &s, AdmissionLimits::default());
         let pick = now(p.pick(&workers(&["A", "B", "C"]), &request(Role::Plain))).unwrap();
-        assert_eq!(
-            (pick.worker.id.as_str(), pick.reason),
-            ("B", PickReason::LowerPressure)
-        );
+        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::LowerPressure));
     }
 
     #[test]
@@ -220,16 +182,13 @@ mod tests {
         b.waiting_uncached_tokens = Some(100);
         s.loads(&[("A", a), ("B", b)]);
         let ws = workers(&["A", "B"]);
-        let prefill = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&ws, &request(Role::Prefill)))
-        .unwrap();
-        let decode = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&ws, &request(Role::Decode)))
-        .unwrap();
-        assert_eq!(
-            (prefill.worker.id.as_str(), decode.worker.id.as_str()),
-            ("A", "B")
-        );
+        let prefill =
+            now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Prefill)))
+                .unwrap();
+        let decode =
+            now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Decode)))
+                .unwrap();
+        assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("A", "B"));
     }
 
     #[test]
@@ -241,10 +200,7 @@ mod tests {
         let pick = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain)))
         .unwrap();
-        assert_eq!(
-            (pick.worker.id.as_str(), pick.reason),
-            ("B", PickReason::InflightTieBreak)
-        );
+        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::InflightTieBreak));
     }
 
     #[test]
@@ -254,10 +210,7 @@ mod tests {
         let pick = now(p2c(Draws::picking(2, 1, 0), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain)))
         .unwrap();
-        assert_eq!(
-            (pick.worker.id.as_str(), pick.reason),
-            ("B", PickReason::FirstSampled)
-        );
+        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::FirstSampled));
     }
 
     #[test]
@@ -270,10 +223,7 @@ mod tests {
         let pick = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain)))
         .unwrap();
-        assert_eq!(
-            (pick.worker.id.as_str(), pick.reason),
-            ("A", PickReason::RouterLocalLoad)
-        );
+        assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::RouterLocalLoad));
 
         // A basic report is fresh but not native: same rule.
         s.loads(&[("A", basic_load(50, 50)), ("B", native_load(0, 0))]);
@@ -288,31 +238,19 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(9, 9)), ("B", native_load(1, 0))]);
         // B wins the comparison but is at its cap: the attempt fails even though A is admissible.
-        let p = p2c(
-            Draws::picking(2, 0, 1),
-            &s,
-            AdmissionLimits {
-                max_running_requests: Some(1),
-                ..Default::default()
-            },
-        );
+        let p =
+            p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits { max_running_requests: Some(1), ..Default::default() });
         let err = now(p.pick(&workers(&["A", "B"]), &request(Role::Plain))).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection {
-                worker: "B".into(),
-                limit: Limit::MaxRunningRequests
-            })
+            PickError::AdmissionRejected(Rejection { worker: "B".into(), limit: Limit::MaxRunningRequests })
         );
     }
 
     #[test]
     fn admission_uses_the_record_captured_for_selection() {
         #[derive(Debug)]
-        struct Counting(
-            std::sync::atomic::AtomicUsize,
-            Arc<crate::state::load_monitor::StaticLoad>,
-        );
+        struct Counting(std::sync::atomic::AtomicUsize, Arc<crate::state::load_monitor::StaticLoad>);
         impl crate::state::load_monitor::LoadView for Counting {
             fn snapshot(&self) -> Arc<crate::state::load_monitor::LoadSnapshot> {
                 self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -323,19 +261,12 @@ mod tests {
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(2, 0))]);
         let counting = Arc::new(Counting(Default::default(), s.load.clone()));
         let gate = AdmissionGate {
-            admission: Arc::new(AdmissionLimits {
-                max_running_requests: Some(5),
-                ..Default::default()
-            }),
+            admission: Arc::new(AdmissionLimits { max_running_requests: Some(5), ..Default::default() }),
             load: counting.clone(),
             inflight: s.inflight.clone(),
         };
         let p = PowerOfTwoPolicy::new(Draws::picking(2, 0, 1), gate);
         now(p.pick(&workers(&["A", "B"]), &request(Role::Plain))).unwrap();
-        assert_eq!(
-            counting.0.load(std::sync::atomic::Ordering::SeqCst),
-            1,
-            "one snapshot for selection and admission"
-        );
+        assert_eq!(counting.0.load(std::sync::atomic::Ordering::SeqCst), 1, "one snapshot for selection and admission");
     }
 }

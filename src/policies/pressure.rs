@@ -48,11 +48,7 @@ mod tests {
         let mut b = native_load(0, 0);
         a.prefill_queue_ms = Some(1.0);
         b.prefill_queue_ms = Some(2.0);
-        assert_eq!(
-            compare_prefill(&a, &b),
-            Ordering::Less,
-            "less queue time wins over more waiting"
-        );
+        assert_eq!(compare_prefill(&a, &b), Ordering::Less, "less queue time wins over more waiting");
     }
 
     #[test]
@@ -64,18 +60,10 @@ mod tests {
         a.waiting = Some(9);
         assert_eq!(compare_prefill(&a, &b), Ordering::Less);
         b.waiting_uncached_tokens = Some(10);
-        assert_eq!(
-            compare_prefill(&a, &b),
-            Ordering::Greater,
-            "then waiting requests"
-        );
+        assert_eq!(compare_prefill(&a, &b), Ordering::Greater, "then waiting requests");
         a.waiting = Some(5);
         a.running = Some(4);
-        assert_eq!(
-            compare_prefill(&a, &b),
-            Ordering::Less,
-            "then running requests"
-        );
+        assert_eq!(compare_prefill(&a, &b), Ordering::Less, "then running requests");
     }
 
     #[test]

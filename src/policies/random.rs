@@ -32,10 +32,7 @@ impl Policy for RandomPolicy {
                 .get(self.random.below(engines.len()))
                 .ok_or_else(|| PickError::no_candidates("random index out of range"))?;
             self.gate.check(worker)?;
-            Ok(Pick {
-                worker: Arc::clone(worker),
-                reason: PickReason::Random,
-            })
+            Ok(Pick { worker: Arc::clone(worker), reason: PickReason::Random })
         })())
     }
 }
@@ -52,17 +49,12 @@ mod tests {
     #[test]
     fn every_candidate_is_chosen_about_equally() {
         let s = State::new();
-        let p = RandomPolicy::new(
-            Arc::new(SeededRandom::new(7)),
-            s.gate(AdmissionLimits::default()),
-        );
+        let p = RandomPolicy::new(Arc::new(SeededRandom::new(7)), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B", "C", "D"]);
         let r = request(Role::Plain);
         let mut counts: HashMap<String, u32> = HashMap::new();
         for _ in 0..4000 {
-            *counts
-                .entry(now(p.pick(&ws, &r)).unwrap().worker.id.clone())
-                .or_default() += 1;
+            *counts.entry(now(p.pick(&ws, &r)).unwrap().worker.id.clone()).or_default() += 1;
         }
         for id in ["A", "B", "C", "D"] {
             let c = counts.get(id).copied().unwrap_or(0);
@@ -75,18 +67,9 @@ mod tests {
         let s = State::new();
         let p = RandomPolicy::new(
             Arc::new(SeededRandom::new(1)),
-            s.gate(AdmissionLimits {
-                max_inflight_requests: Some(0),
-                ..Default::default()
-            }),
+            s.gate(AdmissionLimits { max_inflight_requests: Some(0), ..Default::default() }),
         );
-        assert!(matches!(
-            now(p.pick(&[], &request(Role::Plain))),
-            Err(PickError::NoCandidates { .. })
-        ));
-        assert!(matches!(
-            now(p.pick(&workers(&["A"]), &request(Role::Plain))),
-            Err(PickError::AdmissionRejected(_))
-        ));
+        assert!(matches!(now(p.pick(&[], &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
+        assert!(matches!(now(p.pick(&workers(&["A"]), &request(Role::Plain))), Err(PickError::AdmissionRejected(_))));
     }
 }

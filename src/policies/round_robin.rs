@@ -24,18 +24,13 @@ pub struct SharedCursor {
 
 impl SharedCursor {
     pub fn new(host: Arc<dyn Host>, instance: &str) -> Self {
-        Self {
-            host,
-            key: keys::round_robin_cursor(instance),
-        }
+        Self { host, key: keys::round_robin_cursor(instance) }
     }
 }
 
 impl std::fmt::Debug for SharedCursor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedCursor")
-            .field("key", &self.key)
-            .finish()
+        f.debug_struct("SharedCursor").field("key", &self.key).finish()
     }
 }
 
@@ -43,8 +38,7 @@ impl RoundRobinCursor for SharedCursor {
     fn next_ticket(&self) -> u64 {
         // Past the cas retry bound, a random ticket keeps traffic spread instead of piling onto
         // the first candidate.
-        shared::fetch_add(self.host.as_ref(), &self.key, 1)
-            .unwrap_or_else(|_| self.host.random_u64())
+        shared::fetch_add(self.host.as_ref(), &self.key, 1).unwrap_or_else(|_| self.host.random_u64())
     }
 }
 
@@ -81,14 +75,9 @@ impl Policy for RoundRobinPolicy {
                 return Err(PickError::no_candidates("round_robin has no candidates"));
             }
             let index = (self.cursor.next_ticket() % engines.len() as u64) as usize;
-            let worker = engines
-                .get(index)
-                .ok_or_else(|| PickError::no_candidates("cursor out of range"))?;
+            let worker = engines.get(index).ok_or_else(|| PickError::no_candidates("cursor out of range"))?;
             self.gate.check(worker)?;
-            Ok(Pick {
-                worker: Arc::clone(worker),
-                reason: PickReason::Rotation,
-            })
+            Ok(Pick { worker: Arc::clone(worker), reason: PickReason::Rotation })
         })())
     }
 }
@@ -104,15 +93,10 @@ mod tests {
     #[test]
     fn rotates_over_the_candidates_in_order() {
         let s = State::new();
-        let p = RoundRobinPolicy::new(
-            Box::new(MemoryCursor::default()),
-            s.gate(AdmissionLimits::default()),
-        );
+        let p = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B", "C"]);
         let r = request(Role::Plain);
-        let ids: Vec<String> = (0..6)
-            .map(|_| now(p.pick(&ws, &r)).unwrap().worker.id.clone())
-            .collect();
+        let ids: Vec<String> = (0..6).map(|_| now(p.pick(&ws, &r)).unwrap().worker.id.clone()).collect();
         assert_eq!(ids, ["A", "B", "C", "A", "B", "C"]);
     }
 
@@ -129,33 +113,21 @@ mod tests {
             Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain")),
             s.gate(AdmissionLimits::default()),
         );
-        let other = RoundRobinPolicy::new(
-            Box::new(SharedCursor::new(host, "m/b2/plain")),
-            s.gate(AdmissionLimits::default()),
-        );
+        let other =
+            RoundRobinPolicy::new(Box::new(SharedCursor::new(host, "m/b2/plain")), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B"]);
         let r = request(Role::Plain);
         assert_eq!(now(vm1.pick(&ws, &r)).unwrap().worker.id, "A");
         assert_eq!(now(vm2.pick(&ws, &r)).unwrap().worker.id, "B");
-        assert_eq!(
-            now(other.pick(&ws, &r)).unwrap().worker.id,
-            "A",
-            "another instance has its own cursor"
-        );
+        assert_eq!(now(other.pick(&ws, &r)).unwrap().worker.id, "A", "another instance has its own cursor");
         assert_eq!(now(vm1.pick(&ws, &r)).unwrap().worker.id, "A");
     }
 
     #[test]
     fn no_candidates_is_not_an_admission_outcome() {
         let s = State::new();
-        let p = RoundRobinPolicy::new(
-            Box::new(MemoryCursor::default()),
-            s.gate(AdmissionLimits::default()),
-        );
-        assert!(matches!(
-            now(p.pick(&[], &request(Role::Plain))),
-            Err(PickError::NoCandidates { .. })
-        ));
+        let p = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), s.gate(AdmissionLimits::default()));
+        assert!(matches!(now(p.pick(&[], &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
     }
 
     #[test]
@@ -164,23 +136,14 @@ mod tests {
         s.inflight.set("A", 1);
         let p = RoundRobinPolicy::new(
             Box::new(MemoryCursor::default()),
-            s.gate(AdmissionLimits {
-                max_inflight_requests: Some(1),
-                ..Default::default()
-            }),
+            s.gate(AdmissionLimits { max_inflight_requests: Some(1), ..Default::default() }),
         );
         let ws = workers(&["A", "B"]);
         let err = now(p.pick(&ws, &request(Role::Plain))).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection {
-                worker: "A".into(),
-                limit: Limit::MaxInflightRequests
-            })
+            PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests })
         );
-        assert_eq!(
-            now(p.pick(&ws, &request(Role::Plain))).unwrap().worker.id,
-            "B"
-        );
+        assert_eq!(now(p.pick(&ws, &request(Role::Plain))).unwrap().worker.id, "B");
     }
 }

@@ -5,19 +5,14 @@ use std::sync::Arc;
 use super::admission::AdmissionGate;
 use crate::config::{AdmissionLimits, Role};
 use crate::registry::{EngineAddress, Worker};
-use crate::state::load_monitor::{
-    EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad,
-};
+use crate::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
 
 pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Worker> {
     Arc::new(Worker {
         id: id.to_string(),
         model: model.to_string(),
         role,
-        address: EngineAddress {
-            host: "127.0.0.1".to_string(),
-            port: 1,
-        },
+        address: EngineAddress { host: "127.0.0.1".to_string(), port: 1 },
         cluster: format!("sgl_{id}"),
         bootstrap_port: (role == Role::Prefill).then_some(8998),
         dp_size: 1,
@@ -49,11 +44,7 @@ pub fn native_load(running: u64, waiting: u64) -> EngineLoad {
 }
 
 pub fn basic_load(running: u64, waiting: u64) -> EngineLoad {
-    EngineLoad {
-        kind: ReportKind::Basic,
-        kv_capacity: None,
-        ..native_load(running, waiting)
-    }
+    EngineLoad { kind: ReportKind::Basic, kv_capacity: None, ..native_load(running, waiting) }
 }
 
 /// The state a policy reads, held so a test can change it.
@@ -64,24 +55,15 @@ pub struct State {
 
 impl State {
     pub fn new() -> Self {
-        Self {
-            load: Arc::new(StaticLoad::default()),
-            inflight: Arc::new(MemoryInflight::default()),
-        }
+        Self { load: Arc::new(StaticLoad::default()), inflight: Arc::new(MemoryInflight::default()) }
     }
 
     pub fn loads(&self, loads: &[(&str, EngineLoad)]) {
-        self.load.set(LoadSnapshot::from_loads(
-            loads.iter().map(|(id, l)| (id.to_string(), l.clone())),
-        ));
+        self.load.set(LoadSnapshot::from_loads(loads.iter().map(|(id, l)| (id.to_string(), l.clone()))));
     }
 
     pub fn gate(&self, limits: AdmissionLimits) -> AdmissionGate {
-        AdmissionGate {
-            admission: Arc::new(limits),
-            load: self.load.clone(),
-            inflight: self.inflight.clone(),
-        }
+        AdmissionGate { admission: Arc::new(limits), load: self.load.clone(), inflight: self.inflight.clone() }
     }
 }
 

@@ -104,15 +104,8 @@ impl Filter {
         };
         let before = callouts.board().tokens();
         let polled = pending.poll();
-        self.awaiting.extend(
-            callouts
-                .board()
-                .tokens()
-                .into_iter()
-                .filter(|t| !before.contains(t)),
-        );
-        self.awaiting
-            .retain(|t| callouts.board().is_outstanding(*t));
+        self.awaiting.extend(callouts.board().tokens().into_iter().filter(|t| !before.contains(t)));
+        self.awaiting.retain(|t| callouts.board().is_outstanding(*t));
         let outcome = match polled {
             Poll::Ready(outcome) => outcome,
             // Polled again when one of its callouts answers (each has a timeout).
@@ -153,32 +146,20 @@ impl Filter {
                 ("content-type", "application/json"),
             ];
             let timeout = Duration::from_millis(pd.prefill_timeout_ms);
-            match self.dispatch_http_call(
-                &pd.prefill.cluster,
-                headers,
-                Some(&pd.body),
-                vec![],
-                timeout,
-            ) {
+            match self.dispatch_http_call(&pd.prefill.cluster, headers, Some(&pd.body), vec![], timeout) {
                 Ok(token) => {
                     self.app.borrow().on_dispatch(&pd.prefill.id);
                     self.prefill = Some(PrefillCall {
                         token,
                         worker: Arc::clone(&pd.prefill),
                         state: PrefillState::Pending,
-                        inflight: Some(InflightGuard::acquire(
-                            Arc::clone(&inflight),
-                            &pd.prefill.id,
-                        )),
+                        inflight: Some(InflightGuard::acquire(Arc::clone(&inflight), &pd.prefill.id)),
                     });
                 }
                 Err(status) => {
                     return self.fail(&RouteError::new(
                         ErrorKind::PrefillFailed,
-                        format!(
-                            "the prefill request to {} could not be sent: {status:?}",
-                            pd.prefill.id
-                        ),
+                        format!("the prefill request to {} could not be sent: {status:?}", pd.prefill.id),
                     ));
                 }
             }
@@ -196,11 +177,7 @@ impl Filter {
         };
         prefill.inflight = None;
         let ignored = prefill.state == PrefillState::Ignored;
-        prefill.state = if ok {
-            PrefillState::Succeeded
-        } else {
-            PrefillState::Failed
-        };
+        prefill.state = if ok { PrefillState::Succeeded } else { PrefillState::Failed };
         let worker = Arc::clone(&prefill.worker);
         self.app.borrow().on_dispatch_result(&worker.id, ok);
         if ignored {
@@ -217,41 +194,24 @@ impl Filter {
         } else {
             format!("status {status}")
         };
-        self.fail(&RouteError::new(
-            ErrorKind::PrefillFailed,
-            format!("prefill engine {} failed: {why}", worker.id),
-        ));
+        self.fail(&RouteError::new(ErrorKind::PrefillFailed, format!("prefill engine {} failed: {why}", worker.id)));
     }
 }
 
 impl Context for Filter {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         if self.prefill.as_ref().is_some_and(|p| p.token == token) {
-            let status = self
-                .get_http_call_response_header(":status")
-                .unwrap_or_default();
+            let status = self.get_http_call_response_header(":status").unwrap_or_default();
             self.on_prefill_done(status.starts_with('2'), &status);
             return;
         }
         if !self.awaiting.contains(&token) {
             return;
         }
-        let status = self
-            .get_http_call_response_header(":status")
-            .and_then(|s| s.parse().ok());
-        let body = self
-            .get_http_call_response_body(0, body_size)
-            .unwrap_or_default();
+        let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok());
+        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
         let callouts = Arc::clone(&self.app.borrow().handles().callouts);
-        callouts
-            .board()
-            .complete(token, CalloutResponse { status, body });
+        callouts.board().complete(token, CalloutResponse { status, body });
         if self.poll_selection() == Action::Continue {
             self.resume_http_request();
         }
@@ -272,11 +232,7 @@ impl HttpContext for Filter {
                 let body = list_models(app.config());
                 drop(app);
                 self.local_reply = true;
-                self.send_http_response(
-                    200,
-                    vec![("content-type", "application/json")],
-                    Some(&body),
-                );
+                self.send_http_response(200, vec![("content-type", "application/json")], Some(&body));
                 Action::Pause
             }
             ("POST", CHAT_PATH) => {
@@ -326,10 +282,7 @@ impl HttpContext for Filter {
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         let started = Instant::now();
         let keys = &self.keys;
-        let begun = self
-            .app
-            .borrow_mut()
-            .begin_chat(&body, &|name| keys.get(name).cloned());
+        let begun = self.app.borrow_mut().begin_chat(&body, &|name| keys.get(name).cloned());
         match begun {
             Ok(pending) => {
                 self.pending = Some((pending, started));
@@ -353,13 +306,8 @@ impl HttpContext for Filter {
             let id = prefill.id.clone();
             self.set_http_response_header("x-sgl-prefill-worker", Some(&id));
         }
-        let status: u16 = self
-            .get_http_response_header(":status")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        self.app
-            .borrow()
-            .on_dispatch_result(&upstream.id, status != 0 && status < 500);
+        let status: u16 = self.get_http_response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        self.app.borrow().on_dispatch_result(&upstream.id, status != 0 && status < 500);
         match self.prefill.as_ref().map(|p| p.state) {
             // A failing decode answer goes to the client at once; the prefill no longer matters.
             Some(PrefillState::Pending) if !(200..300).contains(&status) => {

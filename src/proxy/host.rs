@@ -13,14 +13,9 @@ pub struct ProxyHost;
 impl Host for ProxyHost {
     fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError> {
         match hostcalls::get_shared_data(key) {
-            Ok((Some(bytes), cas)) if !bytes.is_empty() => Ok(Some(SharedValue {
-                bytes,
-                cas: cas.unwrap_or(0),
-            })),
+            Ok((Some(bytes), cas)) if !bytes.is_empty() => Ok(Some(SharedValue { bytes, cas: cas.unwrap_or(0) })),
             Ok(_) => Ok(None),
-            Err(status) => Err(HostError::Failed(format!(
-                "get_shared_data({key}): {status:?}"
-            ))),
+            Err(status) => Err(HostError::Failed(format!("get_shared_data({key}): {status:?}"))),
         }
     }
 
@@ -28,9 +23,7 @@ impl Host for ProxyHost {
         match hostcalls::set_shared_data(key, Some(value), cas) {
             Ok(()) => Ok(()),
             Err(Status::CasMismatch) => Err(HostError::CasMismatch),
-            Err(status) => Err(HostError::Failed(format!(
-                "set_shared_data({key}): {status:?}"
-            ))),
+            Err(status) => Err(HostError::Failed(format!("set_shared_data({key}): {status:?}"))),
         }
     }
 
@@ -62,34 +55,17 @@ pub struct ProxyCallouts {
 }
 
 impl crate::host::Callouts for ProxyCallouts {
-    fn dispatch(
-        &self,
-        request: crate::host::CalloutRequest,
-    ) -> Result<crate::host::CalloutFuture, HostError> {
+    fn dispatch(&self, request: crate::host::CalloutRequest) -> Result<crate::host::CalloutFuture, HostError> {
         let mut headers: Vec<(&str, &str)> = vec![
             (":method", request.method.as_str()),
             (":path", request.path.as_str()),
             (":authority", request.authority.as_str()),
         ];
-        headers.extend(
-            request
-                .headers
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str())),
-        );
+        headers.extend(request.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         let timeout = std::time::Duration::from_millis(request.timeout_ms);
-        match hostcalls::dispatch_http_call(
-            &request.cluster,
-            headers,
-            request.body.as_deref(),
-            vec![],
-            timeout,
-        ) {
+        match hostcalls::dispatch_http_call(&request.cluster, headers, request.body.as_deref(), vec![], timeout) {
             Ok(token) => Ok(self.board.register(token)),
-            Err(status) => Err(HostError::Failed(format!(
-                "dispatch_http_call({}): {status:?}",
-                request.cluster
-            ))),
+            Err(status) => Err(HostError::Failed(format!("dispatch_http_call({}): {status:?}", request.cluster))),
         }
     }
 

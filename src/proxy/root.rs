@@ -17,6 +17,7 @@ use crate::config::factory::StateHandles;
 use crate::host::Host;
 use crate::policies::SeededRandom;
 use crate::server::AppContext;
+use crate::state::affinity_store::AffinityStore;
 use crate::state::load_monitor::{SharedInflight, SharedLoadView};
 use crate::state::vm_registry;
 use std::time::Duration;
@@ -53,13 +54,7 @@ impl Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         if let Some(service) = self.service.as_mut() {
             service.on_http_call_response(token, body_size);
         }
@@ -85,13 +80,11 @@ impl RootContext for Root {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
                 let handles = StateHandles {
-                    load: Arc::new(SharedLoadView::new(
-                        Arc::clone(&host),
-                        parsed.load.stale_after_ms,
-                    )),
+                    load: Arc::new(SharedLoadView::new(Arc::clone(&host), parsed.load.stale_after_ms)),
                     inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
                     random: Arc::new(SeededRandom::from_host(host.as_ref())),
                     callouts: Arc::new(ProxyCallouts::default()),
+                    affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
                     host,
                 };
                 match AppContext::new(parsed, handles) {
@@ -135,10 +128,7 @@ impl RootContext for Root {
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         let app = self.filter.as_ref()?;
-        Some(Box::new(Filter::new(
-            Rc::clone(app),
-            Rc::clone(&self.stats),
-        )))
+        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats))))
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -60,28 +60,13 @@ impl Service {
     }
 
     pub fn tick_period(&self) -> Duration {
-        Duration::from_millis(
-            TICK_MS
-                .min(self.config.health.interval_ms)
-                .min(self.config.load.interval_ms)
-                .max(10),
-        )
+        Duration::from_millis(TICK_MS.min(self.config.health.interval_ms).min(self.config.load.interval_ms).max(10))
     }
 
     fn dispatch(&mut self, worker: &Worker, path: &str, timeout_ms: u64, what: Poll) -> bool {
         let authority = worker.address.host_port();
-        let headers = vec![
-            (":method", "GET"),
-            (":path", path),
-            (":authority", authority.as_str()),
-        ];
-        match hostcalls::dispatch_http_call(
-            &worker.cluster,
-            headers,
-            None,
-            vec![],
-            Duration::from_millis(timeout_ms),
-        ) {
+        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority.as_str())];
+        match hostcalls::dispatch_http_call(&worker.cluster, headers, None, vec![], Duration::from_millis(timeout_ms)) {
             Ok(token) => {
                 self.pending.insert(token, what);
                 true
@@ -103,12 +88,8 @@ impl Service {
                 continue;
             };
             let path = self.config.health.path.clone();
-            if !self.dispatch(
-                &worker,
-                &path,
-                self.config.health.timeout_ms,
-                Poll::Health(index),
-            ) && self.health.abandon(index)
+            if !self.dispatch(&worker, &path, self.config.health.timeout_ms, Poll::Health(index))
+                && self.health.abandon(index)
             {
                 self.publish_health();
             }
@@ -118,12 +99,7 @@ impl Service {
                 let Some(worker) = self.workers.get(index).cloned() else {
                     continue;
                 };
-                if !self.dispatch(
-                    &worker,
-                    path,
-                    self.config.load.timeout_ms,
-                    Poll::Load(index),
-                ) {
+                if !self.dispatch(&worker, path, self.config.load.timeout_ms, Poll::Load(index)) {
                     let _ = self.load.record(index, None, now, 0);
                 }
             }
@@ -144,45 +120,28 @@ impl Service {
         let Some(what) = self.pending.remove(&token) else {
             return;
         };
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let status =
+            hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten().unwrap_or_default();
         let ok = status.starts_with('2');
         match what {
             Poll::Health(index) => {
                 if self.health.record(index, ok) {
                     if let Some(w) = self.workers.get(index) {
-                        log::info!(
-                            "worker {} is now {}",
-                            w.id,
-                            if ok { "healthy" } else { "unhealthy" }
-                        );
+                        log::info!("worker {} is now {}", w.id, if ok { "healthy" } else { "unhealthy" });
                     }
                     self.publish_health();
                 }
             }
             Poll::Load(index) => {
                 let body = if ok {
-                    hostcalls::get_buffer(
-                        proxy_wasm::types::BufferType::HttpCallResponseBody,
-                        0,
-                        body_size,
-                    )
-                    .ok()
-                    .flatten()
+                    hostcalls::get_buffer(proxy_wasm::types::BufferType::HttpCallResponseBody, 0, body_size)
+                        .ok()
+                        .flatten()
                 } else {
                     None
                 };
-                let dispatches = self
-                    .workers
-                    .get(index)
-                    .map(|w| self.inflight.dispatched_total(&w.id))
-                    .unwrap_or(0);
-                if let Err(e) =
-                    self.load
-                        .record(index, body.as_deref(), ProxyHost.now_ms(), dispatches)
-                {
+                let dispatches = self.workers.get(index).map(|w| self.inflight.dispatched_total(&w.id)).unwrap_or(0);
+                if let Err(e) = self.load.record(index, body.as_deref(), ProxyHost.now_ms(), dispatches) {
                     if let Some(w) = self.workers.get(index) {
                         log::warn!("load report of {} not understood: {e}", w.id);
                     }
@@ -217,44 +176,25 @@ impl Service {
         for worker in &self.workers {
             match SharedInflight::reclaim(&ProxyHost, &worker.id, &dead) {
                 Ok(0) => {}
-                Ok(n) => log::warn!(
-                    "reclaimed {n} in-flight requests of {} from {} dead VMs",
-                    worker.id,
-                    dead.len()
-                ),
+                Ok(n) => log::warn!("reclaimed {n} in-flight requests of {} from {} dead VMs", worker.id, dead.len()),
                 Err(e) => log::warn!("in-flight of {} not reclaimed: {e}", worker.id),
             }
         }
     }
 
     fn export_gauges(&self, now: u64) {
-        let snapshot = self
-            .load
-            .table()
-            .snapshot(now, self.config.load.stale_after_ms);
+        let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
         let mut fresh = 0;
         for w in &self.workers {
             let id = label(&w.id);
-            self.stats.gauge(
-                &format!("sgl_router_inflight.worker.{id}"),
-                self.inflight.inflight(&w.id),
-            );
+            self.stats.gauge(&format!("sgl_router_inflight.worker.{id}"), self.inflight.inflight(&w.id));
             let has_report = snapshot.get(&w.id).is_some();
             fresh += u64::from(has_report);
-            self.stats.gauge(
-                &format!("sgl_router_fresh_load_report.worker.{id}"),
-                u64::from(has_report),
-            );
+            self.stats.gauge(&format!("sgl_router_fresh_load_report.worker.{id}"), u64::from(has_report));
         }
         self.stats.gauge("sgl_router_fresh_load_reports", fresh);
         let unhealthy = self.health.table().unhealthy.len() as u64;
-        self.stats.gauge(
-            "sgl_router_healthy_workers",
-            (self.workers.len() as u64).saturating_sub(unhealthy),
-        );
-        self.stats.gauge(
-            "sgl_router_health_published",
-            u64::from(self.health_published),
-        );
+        self.stats.gauge("sgl_router_healthy_workers", (self.workers.len() as u64).saturating_sub(unhealthy));
+        self.stats.gauge("sgl_router_health_published", u64::from(self.health_published));
     }
 }

@@ -25,10 +25,7 @@ use crate::state::shared::VersionedReader;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
     Plain(Arc<Worker>),
-    Pd {
-        prefill: Arc<Worker>,
-        decode: Arc<Worker>,
-    },
+    Pd { prefill: Arc<Worker>, decode: Arc<Worker> },
 }
 
 impl Target {
@@ -105,18 +102,14 @@ impl PendingChat {
             BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
             BucketPick::Pd { prefill, decode } => {
                 let body = self.body.take().unwrap_or_default();
-                let (body, rooms) =
-                    bootstrap_body(body, &prefill.worker, self.facts.n, self.random.as_ref());
+                let (body, rooms) = bootstrap_body(body, &prefill.worker, self.facts.n, self.random.as_ref());
                 let pd = PdDispatch {
                     prefill: Arc::clone(&prefill.worker),
                     body,
                     rooms,
                     prefill_timeout_ms: self.prefill_timeout_ms,
                 };
-                let target = Target::Pd {
-                    prefill: Arc::clone(&prefill.worker),
-                    decode: Arc::clone(&decode.worker),
-                };
+                let target = Target::Pd { prefill: Arc::clone(&prefill.worker), decode: Arc::clone(&decode.worker) };
                 (target, Some(pd))
             }
         };
@@ -149,16 +142,9 @@ impl AppContext {
     /// startup, never at request time.
     pub fn new(config: RouterConfig, handles: StateHandles) -> Result<Self, ConfigErrors> {
         let resolvers = build_resolvers(&config, &handles)?;
-        let workers: Arc<[Arc<Worker>]> =
-            WorkerRegistry::from_config(&config).all().to_vec().into();
-        let upstream = Upstream {
-            mode: config.upstream.mode,
-            header: config.upstream.header_name().to_string(),
-        };
-        let breakers = config
-            .circuit_breaker
-            .clone()
-            .map(|c| CircuitBreakers::new(Arc::clone(&handles.host), c));
+        let workers: Arc<[Arc<Worker>]> = WorkerRegistry::from_config(&config).all().to_vec().into();
+        let upstream = Upstream { mode: config.upstream.mode, header: config.upstream.header_name().to_string() };
+        let breakers = config.circuit_breaker.clone().map(|c| CircuitBreakers::new(Arc::clone(&handles.host), c));
         Ok(Self {
             config: Arc::new(config),
             workers,
@@ -206,11 +192,7 @@ impl AppContext {
                 self.unhealthy = Arc::new(table.unhealthy.iter().cloned().collect());
             }
         }
-        let open = self
-            .breakers
-            .as_ref()
-            .map(CircuitBreakers::unavailable)
-            .unwrap_or_default();
+        let open = self.breakers.as_ref().map(CircuitBreakers::unavailable).unwrap_or_default();
         let unavailable = if open.is_empty() {
             Arc::clone(&self.unhealthy)
         } else {
@@ -240,10 +222,8 @@ impl AppContext {
         header: &dyn Fn(&str) -> Option<String>,
     ) -> Result<PendingChat, RouteError> {
         let (facts, parsed) = chat::prepare_with_body(body, self.config.tokens.bytes_per_token)?;
-        let (Some(model), Some(resolver)) = (
-            self.config.models.get(&facts.model),
-            self.resolvers.get(&facts.model),
-        ) else {
+        let (Some(model), Some(resolver)) = (self.config.models.get(&facts.model), self.resolvers.get(&facts.model))
+        else {
             return Err(RouteError::new(
                 ErrorKind::ModelNotFound,
                 format!("model `{}` is not served by this router", facts.model),

@@ -40,9 +40,7 @@ impl ErrorKind {
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::AdmissionRejected | ErrorKind::NoCandidates => 503,
-            ErrorKind::InvalidSignal
-            | ErrorKind::InvalidConfiguration
-            | ErrorKind::OutsideCandidates => 500,
+            ErrorKind::InvalidSignal | ErrorKind::InvalidConfiguration | ErrorKind::OutsideCandidates => 500,
             ErrorKind::PrefillFailed => 502,
         }
     }
@@ -57,10 +55,7 @@ pub struct RouteError {
 
 impl RouteError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            kind,
-            message: message.into(),
-        }
+        Self { kind, message: message.into() }
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -91,9 +86,7 @@ pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 pub fn payload_too_large(size: usize) -> RouteError {
     RouteError::new(
         ErrorKind::PayloadTooLarge,
-        format!(
-            "request body of at least {size} bytes exceeds the limit of {MAX_BODY_BYTES} bytes"
-        ),
+        format!("request body of at least {size} bytes exceeds the limit of {MAX_BODY_BYTES} bytes"),
     )
 }
 

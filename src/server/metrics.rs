@@ -12,16 +12,7 @@ pub const SELECTION_US: &str = "sgl_router_selection_us";
 
 /// A label value safe inside a dotted metric name.
 pub fn label(value: &str) -> String {
-    value
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    value.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' }).collect()
 }
 
 pub fn outcome(name: &str) -> String {
@@ -45,32 +36,19 @@ fn rejection_counters<'a>(
 ) -> Vec<String> {
     skipped
         .flat_map(|s| {
-            rejections(&s.error).iter().map(|r| {
-                format!(
-                    "sgl_router_admission_rejections_total.limit.{}",
-                    r.limit.as_str()
-                )
-            })
+            rejections(&s.error)
+                .iter()
+                .map(|r| format!("sgl_router_admission_rejections_total.limit.{}", r.limit.as_str()))
         })
         .collect()
 }
 
 /// Counters for a completed selection.
 pub fn selected(selection: &Selection) -> Vec<String> {
-    let mut names = vec![
-        outcome("routed"),
-        format!(
-            "sgl_router_bucket_selected_total.bucket.{}",
-            label(&selection.bucket_id)
-        ),
-    ];
-    let pick = |stage: Role, worker: &str| {
-        format!(
-            "sgl_router_picks_total.stage.{}.worker.{}",
-            stage.as_str(),
-            label(worker)
-        )
-    };
+    let mut names =
+        vec![outcome("routed"), format!("sgl_router_bucket_selected_total.bucket.{}", label(&selection.bucket_id))];
+    let pick =
+        |stage: Role, worker: &str| format!("sgl_router_picks_total.stage.{}.worker.{}", stage.as_str(), label(worker));
     match &selection.pick {
         BucketPick::Plain(p) => names.push(pick(Role::Plain, &p.worker.id)),
         BucketPick::Pd { prefill, decode } => {

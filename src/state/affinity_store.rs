@@ -97,11 +97,7 @@ impl Shard {
 
     fn cap(&mut self) {
         while self.bindings.len() > MAX_PER_SHARD {
-            let oldest = self
-                .bindings
-                .iter()
-                .min_by_key(|(_, b)| b.last_used_ms)
-                .map(|(k, _)| k.clone());
+            let oldest = self.bindings.iter().min_by_key(|(_, b)| b.last_used_ms).map(|(k, _)| k.clone());
             match oldest {
                 Some(k) => self.bindings.remove(&k),
                 None => break,
@@ -142,49 +138,30 @@ impl AffinityStore {
 
     fn change<R>(&self, shard: u64, f: impl FnMut(&mut Shard) -> R) -> Result<R, HostError> {
         let mut f = f;
-        update(
-            self.host.as_ref(),
-            &shard_key(shard),
-            &Shard::default().encode(),
-            |bytes| {
-                let mut s = Shard::decode(bytes);
-                let r = f(&mut s);
-                s.cap();
-                (s.encode(), r)
-            },
-        )
+        update(self.host.as_ref(), &shard_key(shard), &Shard::default().encode(), |bytes| {
+            let mut s = Shard::decode(bytes);
+            let r = f(&mut s);
+            s.cap();
+            (s.encode(), r)
+        })
     }
 
     /// The engine bound to `scope`, if any. A read only: using a binding refreshes it through
     /// [`Self::touch`].
     pub fn get(&self, scope: &Scope<'_>) -> Option<String> {
-        self.read(scope.shard())
-            .bindings
-            .get(&scope.id())
-            .map(|b| b.worker.clone())
+        self.read(scope.shard()).bindings.get(&scope.id()).map(|b| b.worker.clone())
     }
 
     /// Binds `scope` to `worker` unless someone else did first. `replace` names the binding the
     /// caller saw and decided to replace (it was outside its candidates); only that one may be
     /// overwritten, so a concurrent fresh binding still wins.
-    pub fn bind(
-        &self,
-        scope: &Scope<'_>,
-        worker: &str,
-        replace: Option<&str>,
-    ) -> Result<Bound, HostError> {
+    pub fn bind(&self, scope: &Scope<'_>, worker: &str, replace: Option<&str>) -> Result<Bound, HostError> {
         let id = scope.id();
         let now = self.host.now_ms();
-        let binding = Binding {
-            worker: worker.to_string(),
-            kind: scope.kind,
-            model: scope.model.to_string(),
-            last_used_ms: now,
-        };
+        let binding =
+            Binding { worker: worker.to_string(), kind: scope.kind, model: scope.model.to_string(), last_used_ms: now };
         self.change(scope.shard(), |s| match s.bindings.get(&id) {
-            Some(existing)
-                if Some(existing.worker.as_str()) != replace && existing.worker != worker =>
-            {
+            Some(existing) if Some(existing.worker.as_str()) != replace && existing.worker != worker => {
                 Bound::Theirs(existing.worker.clone())
             }
             _ => {
@@ -215,18 +192,14 @@ impl AffinityStore {
 
     /// The service's sweep: drops bindings idle past their kind's timeout for their model, and
     /// bindings to workers that no longer exist. Returns how many went.
-    pub fn sweep(
-        &self,
-        idle_ms: &dyn Fn(&str, BindingKind) -> u64,
-        known_worker: &dyn Fn(&str) -> bool,
-    ) -> usize {
+    pub fn sweep(&self, idle_ms: &dyn Fn(&str, BindingKind) -> u64, known_worker: &dyn Fn(&str) -> bool) -> usize {
         let now = self.host.now_ms();
         let mut removed = 0;
         for shard in 0..SHARDS {
-            let expired = self.read(shard).bindings.values().any(|b| {
-                now.saturating_sub(b.last_used_ms) > idle_ms(&b.model, b.kind)
-                    || !known_worker(&b.worker)
-            });
+            let expired =
+                self.read(shard).bindings.values().any(|b| {
+                    now.saturating_sub(b.last_used_ms) > idle_ms(&b.model, b.kind) || !known_worker(&b.worker)
+                });
             if !expired {
                 continue;
             }
@@ -234,8 +207,7 @@ impl AffinityStore {
                 .change(shard, |s| {
                     let before = s.bindings.len();
                     s.bindings.retain(|_, b| {
-                        now.saturating_sub(b.last_used_ms) <= idle_ms(&b.model, b.kind)
-                            && known_worker(&b.worker)
+                        now.saturating_sub(b.last_used_ms) <= idle_ms(&b.model, b.kind) && known_worker(&b.worker)
                     });
                     before - s.bindings.len()
                 })
@@ -259,13 +231,7 @@ mod tests {
     use crate::host::MemoryHost;
 
     fn scope(key: &str) -> Scope<'_> {
-        Scope {
-            kind: BindingKind::Session,
-            model: "m",
-            bucket: "b",
-            stage: Role::Plain,
-            key,
-        }
+        Scope { kind: BindingKind::Session, model: "m", bucket: "b", stage: Role::Plain, key }
     }
 
     #[test]
@@ -274,22 +240,10 @@ mod tests {
         store.bind(&scope("s1"), "A", None).unwrap();
         assert_eq!(store.get(&scope("s1")).as_deref(), Some("A"));
         for other in [
-            Scope {
-                bucket: "b2",
-                ..scope("s1")
-            },
-            Scope {
-                stage: Role::Prefill,
-                ..scope("s1")
-            },
-            Scope {
-                model: "m2",
-                ..scope("s1")
-            },
-            Scope {
-                kind: BindingKind::Sticky,
-                ..scope("s1")
-            },
+            Scope { bucket: "b2", ..scope("s1") },
+            Scope { stage: Role::Prefill, ..scope("s1") },
+            Scope { model: "m2", ..scope("s1") },
+            Scope { kind: BindingKind::Sticky, ..scope("s1") },
             scope("s2"),
         ] {
             assert_eq!(store.get(&other), None, "{other:?}");
@@ -302,10 +256,7 @@ mod tests {
         let vm1 = AffinityStore::new(Arc::clone(&host));
         let vm2 = AffinityStore::new(host);
         assert_eq!(vm1.bind(&scope("s"), "A", None).unwrap(), Bound::Ours);
-        assert_eq!(
-            vm2.bind(&scope("s"), "B", None).unwrap(),
-            Bound::Theirs("A".into())
-        );
+        assert_eq!(vm2.bind(&scope("s"), "B", None).unwrap(), Bound::Theirs("A".into()));
         assert_eq!(vm2.get(&scope("s")).as_deref(), Some("A"));
     }
 
@@ -313,14 +264,8 @@ mod tests {
     fn only_the_binding_the_caller_saw_can_be_replaced() {
         let store = AffinityStore::new(Arc::new(MemoryHost::default()));
         store.bind(&scope("s"), "A", None).unwrap();
-        assert_eq!(
-            store.bind(&scope("s"), "B", Some("Z")).unwrap(),
-            Bound::Theirs("A".into())
-        );
-        assert_eq!(
-            store.bind(&scope("s"), "B", Some("A")).unwrap(),
-            Bound::Ours
-        );
+        assert_eq!(store.bind(&scope("s"), "B", Some("Z")).unwrap(), Bound::Theirs("A".into()));
+        assert_eq!(store.bind(&scope("s"), "B", Some("A")).unwrap(), Bound::Ours);
         assert_eq!(store.get(&scope("s")).as_deref(), Some("B"));
     }
 
@@ -347,11 +292,7 @@ mod tests {
         host.advance_ms(900);
         store.touch(&scope("s"), 100);
         host.advance_ms(900);
-        assert_eq!(
-            store.sweep(&|_, _| 1000, &|_| true),
-            0,
-            "touched 900 ms ago"
-        );
+        assert_eq!(store.sweep(&|_, _| 1000, &|_| true), 0, "touched 900 ms ago");
         assert_eq!(store.get(&scope("s")).as_deref(), Some("A"));
     }
 
@@ -359,8 +300,7 @@ mod tests {
     fn the_number_of_keys_is_fixed_whatever_the_number_of_sessions() {
         let store = AffinityStore::new(Arc::new(MemoryHost::default()));
         let keys: Vec<String> = (0..2000).map(|i| format!("session-{i}")).collect();
-        let shards: std::collections::HashSet<u64> =
-            keys.iter().map(|k| scope(k).shard()).collect();
+        let shards: std::collections::HashSet<u64> = keys.iter().map(|k| scope(k).shard()).collect();
         assert!(shards.len() as u64 <= SHARDS);
         for k in keys.iter().take(200) {
             store.bind(&scope(k), "A", None).unwrap();

@@ -71,8 +71,7 @@ impl CircuitBreakers {
 
     /// Workers whose breaker is open, or half-open with its probe already out.
     pub fn unavailable(&self) -> HashSet<String> {
-        self.read()
-            .unavailable(self.host.now_ms(), self.config.cooldown_ms)
+        self.read().unavailable(self.host.now_ms(), self.config.cooldown_ms)
     }
 
     /// A request was dispatched to `worker`: if its breaker is half-open, this is the probe.
@@ -80,11 +79,10 @@ impl CircuitBreakers {
         let now = self.host.now_ms();
         let cooldown = self.config.cooldown_ms;
         let table = self.read();
-        let half_open = table.workers.get(worker).is_some_and(|e| {
-            !e.probing
-                && e.opened_at_ms
-                    .is_some_and(|t| now >= t.saturating_add(cooldown))
-        });
+        let half_open = table
+            .workers
+            .get(worker)
+            .is_some_and(|e| !e.probing && e.opened_at_ms.is_some_and(|t| now >= t.saturating_add(cooldown)));
         if half_open {
             self.change(|t| {
                 if let Some(e) = t.workers.get_mut(worker) {
@@ -125,13 +123,7 @@ mod tests {
 
     fn breakers() -> (Arc<MemoryHost>, CircuitBreakers) {
         let host = Arc::new(MemoryHost::default());
-        let b = CircuitBreakers::new(
-            host.clone(),
-            CircuitBreakerConfig {
-                failure_threshold: 3,
-                cooldown_ms: 1000,
-            },
-        );
+        let b = CircuitBreakers::new(host.clone(), CircuitBreakerConfig { failure_threshold: 3, cooldown_ms: 1000 });
         (host, b)
     }
 
@@ -166,10 +158,7 @@ mod tests {
         host.advance_ms(1);
         assert!(b.unavailable().is_empty(), "half-open: one probe may go");
         b.on_dispatch("A");
-        assert!(
-            b.unavailable().contains("A"),
-            "the probe is out; nobody else goes"
-        );
+        assert!(b.unavailable().contains("A"), "the probe is out; nobody else goes");
         b.record("A", true);
         assert!(b.unavailable().is_empty(), "the probe's success closes it");
     }

@@ -44,12 +44,7 @@ impl HealthMonitor {
             config,
             workers: workers
                 .iter()
-                .map(|w| WorkerHealth {
-                    id: w.id.clone(),
-                    healthy: true,
-                    consecutive_ok: 0,
-                    consecutive_fail: 0,
-                })
+                .map(|w| WorkerHealth { id: w.id.clone(), healthy: true, consecutive_ok: 0, consecutive_fail: 0 })
                 .collect(),
         }
     }
@@ -89,14 +84,7 @@ impl HealthMonitor {
     }
 
     pub fn table(&self) -> HealthTable {
-        HealthTable {
-            unhealthy: self
-                .workers
-                .iter()
-                .filter(|w| !w.healthy)
-                .map(|w| w.id.clone())
-                .collect(),
-        }
+        HealthTable { unhealthy: self.workers.iter().filter(|w| !w.healthy).map(|w| w.id.clone()).collect() }
     }
 }
 
@@ -113,10 +101,7 @@ mod tests {
             id: id.to_string(),
             model: "m".to_string(),
             role: Role::Plain,
-            address: EngineAddress {
-                host: "127.0.0.1".to_string(),
-                port: 1,
-            },
+            address: EngineAddress { host: "127.0.0.1".to_string(), port: 1 },
             cluster: format!("sgl_{id}"),
             bootstrap_port: None,
             dp_size: 1,
@@ -124,12 +109,8 @@ mod tests {
     }
 
     fn monitor() -> HealthMonitor {
-        let config = HealthConfig {
-            failure_threshold: 2,
-            success_threshold: 2,
-            interval_ms: 100,
-            ..HealthConfig::default()
-        };
+        let config =
+            HealthConfig { failure_threshold: 2, success_threshold: 2, interval_ms: 100, ..HealthConfig::default() };
         HealthMonitor::new(config, &[worker("A"), worker("B")])
     }
 

@@ -14,10 +14,7 @@ pub struct PollSchedule {
 
 impl PollSchedule {
     pub fn new(interval_ms: u64, workers: usize) -> Self {
-        Self {
-            interval_ms,
-            slots: vec![Slot::default(); workers],
-        }
+        Self { interval_ms, slots: vec![Slot::default(); workers] }
     }
 
     /// Indices due now; each is marked outstanding until [`Self::finished`].

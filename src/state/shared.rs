@@ -113,9 +113,7 @@ pub fn update<R>(
             }
         }
     }
-    Err(HostError::Failed(format!(
-        "`{key}` stayed contended for {CAS_RETRIES} cas attempts"
-    )))
+    Err(HostError::Failed(format!("`{key}` stayed contended for {CAS_RETRIES} cas attempts")))
 }
 
 /// Adds `delta` to a shared counter and returns the value before the addition.

@@ -24,9 +24,7 @@ fn decode(bytes: &[u8]) -> Vec<(u64, u64)> {
 }
 
 fn encode(entries: &[(u64, u64)]) -> Vec<u8> {
-    let body = entries
-        .iter()
-        .flat_map(|(vm, seen)| vm.to_le_bytes().into_iter().chain(seen.to_le_bytes()));
+    let body = entries.iter().flat_map(|(vm, seen)| vm.to_le_bytes().into_iter().chain(seen.to_le_bytes()));
     HEADER.into_iter().chain(body).collect()
 }
 
@@ -44,9 +42,8 @@ pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<(), HostError>
 /// Removes VMs silent for [`DEAD_AFTER_MS`] and returns their ids.
 pub fn sweep(host: &dyn Host, now_ms: u64) -> Result<Vec<u64>, HostError> {
     update(host, keys::VMS, &HEADER, |bytes| {
-        let (alive, dead): (Vec<_>, Vec<_>) = decode(bytes)
-            .into_iter()
-            .partition(|(_, seen)| now_ms.saturating_sub(*seen) <= DEAD_AFTER_MS);
+        let (alive, dead): (Vec<_>, Vec<_>) =
+            decode(bytes).into_iter().partition(|(_, seen)| now_ms.saturating_sub(*seen) <= DEAD_AFTER_MS);
         (encode(&alive), dead.into_iter().map(|(vm, _)| vm).collect())
     })
 }

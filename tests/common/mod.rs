@@ -19,17 +19,11 @@ pub fn repo_root() -> PathBuf {
 }
 
 fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"))
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"))
 }
 
 fn require(path: PathBuf, what: &str) -> PathBuf {
-    assert!(
-        path.exists(),
-        "{what} not found at {} — run scripts/test (it builds everything first)",
-        path.display()
-    );
+    assert!(path.exists(), "{what} not found at {} — run scripts/test (it builds everything first)", path.display());
     path
 }
 
@@ -38,26 +32,17 @@ pub fn sim_bin() -> PathBuf {
 }
 
 pub fn cli_bin() -> PathBuf {
-    require(
-        target_dir().join("debug/sgl-envoy-router"),
-        "the sgl-envoy-router CLI",
-    )
+    require(target_dir().join("debug/sgl-envoy-router"), "the sgl-envoy-router CLI")
 }
 
 pub fn wasm_module() -> PathBuf {
-    require(
-        target_dir().join("wasm32-wasip1/release/sgl_envoy_router.wasm"),
-        "the wasm module",
-    )
+    require(target_dir().join("wasm32-wasip1/release/sgl_envoy_router.wasm"), "the wasm module")
 }
 
 pub fn envoy_bin() -> PathBuf {
     match std::env::var_os("ENVOY_BIN") {
         Some(p) => PathBuf::from(p),
-        None => require(
-            repo_root().join(".venv/bin/envoy"),
-            "Envoy (scripts/setup installs it)",
-        ),
+        None => require(repo_root().join(".venv/bin/envoy"), "Envoy (scripts/setup installs it)"),
     }
 }
 
@@ -72,11 +57,8 @@ pub fn free_port() -> u16 {
 /// A fresh directory for one test's files.
 pub fn scratch_dir(name: &str) -> PathBuf {
     static N: AtomicU32 = AtomicU32::new(0);
-    let dir = target_dir().join("e2e").join(format!(
-        "{name}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    ));
+    let dir =
+        target_dir().join("e2e").join(format!("{name}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
     dir
@@ -97,10 +79,7 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Opt
         if let Some(v) = check() {
             return v;
         }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
+        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
         sleep(Duration::from_millis(50));
     }
 }
@@ -114,22 +93,15 @@ pub struct Process {
 
 impl Process {
     pub fn spawn(name: &str, command: &mut Command, log: PathBuf) -> Self {
-        let out = fs::File::create(&log)
-            .unwrap_or_else(|e| panic!("cannot create {}: {e}", log.display()));
-        let err = out
-            .try_clone()
-            .unwrap_or_else(|e| panic!("cannot clone log handle: {e}"));
+        let out = fs::File::create(&log).unwrap_or_else(|e| panic!("cannot create {}: {e}", log.display()));
+        let err = out.try_clone().unwrap_or_else(|e| panic!("cannot clone log handle: {e}"));
         let child = command
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        Self {
-            name: name.to_string(),
-            child,
-            log,
-        }
+        Self { name: name.to_string(), child, log }
     }
 
     pub fn log_text(&self) -> String {
@@ -173,17 +145,11 @@ impl SimSpec {
     }
 
     pub fn prefill(id: &str) -> Self {
-        Self {
-            role: "prefill",
-            ..Self::plain(id)
-        }
+        Self { role: "prefill", ..Self::plain(id) }
     }
 
     pub fn decode(id: &str) -> Self {
-        Self {
-            role: "decode",
-            ..Self::plain(id)
-        }
+        Self { role: "decode", ..Self::plain(id) }
     }
 
     pub fn model(mut self, model: &str) -> Self {
@@ -204,48 +170,20 @@ impl Sim {
         let port = free_port();
         let bootstrap_port = (spec.role == "prefill").then(free_port);
         let mut cmd = Command::new(sim_bin());
-        cmd.args([
-            "--id",
-            &spec.id,
-            "--port",
-            &port.to_string(),
-            "--model",
-            &spec.model,
-            "--role",
-            spec.role,
-        ])
-        .args(["--token-delay-ms", &spec.token_delay_ms.to_string()])
-        .args(["--max-running", &spec.max_running.to_string()])
-        .args(["--dp-size", &spec.dp_size.to_string()])
-        .args([
-            "--bootstrap-timeout-ms",
-            &spec.bootstrap_timeout_ms.to_string(),
-        ]);
+        cmd.args(["--id", &spec.id, "--port", &port.to_string(), "--model", &spec.model, "--role", spec.role])
+            .args(["--token-delay-ms", &spec.token_delay_ms.to_string()])
+            .args(["--max-running", &spec.max_running.to_string()])
+            .args(["--dp-size", &spec.dp_size.to_string()])
+            .args(["--bootstrap-timeout-ms", &spec.bootstrap_timeout_ms.to_string()]);
         if let Some(b) = bootstrap_port {
             cmd.args(["--bootstrap-port", &b.to_string()]);
         }
-        let process = Process::spawn(
-            &format!("sim {}", spec.id),
-            &mut cmd,
-            dir.join(format!("sim-{}.log", spec.id)),
-        );
-        let sim = Self {
-            spec,
-            port,
-            bootstrap_port,
-            process,
-        };
+        let process = Process::spawn(&format!("sim {}", spec.id), &mut cmd, dir.join(format!("sim-{}.log", spec.id)));
+        let sim = Self { spec, port, bootstrap_port, process };
         let a = agent();
-        wait_for(
-            &format!("sim {} to listen", sim.spec.id),
-            Duration::from_secs(10),
-            || {
-                a.get(&sim.url("/sim/state"))
-                    .call()
-                    .ok()
-                    .filter(|r| r.status() == 200)
-            },
-        );
+        wait_for(&format!("sim {} to listen", sim.spec.id), Duration::from_secs(10), || {
+            a.get(&sim.url("/sim/state")).call().ok().filter(|r| r.status() == 200)
+        });
         sim
     }
 
@@ -258,12 +196,7 @@ impl Sim {
             .post(&self.url("/sim/control"))
             .send_json(&update)
             .unwrap_or_else(|e| panic!("control of sim {} failed: {e}", self.spec.id));
-        assert_eq!(
-            r.status(),
-            200,
-            "control of sim {} refused {update}",
-            self.spec.id
-        );
+        assert_eq!(r.status(), 200, "control of sim {} refused {update}", self.spec.id);
     }
 
     pub fn state(&self) -> Value {
@@ -271,9 +204,7 @@ impl Sim {
             .get(&self.url("/sim/state"))
             .call()
             .unwrap_or_else(|e| panic!("state of sim {} failed: {e}", self.spec.id));
-        r.body_mut()
-            .read_json()
-            .unwrap_or_else(|e| panic!("state of sim {} is not JSON: {e}", self.spec.id))
+        r.body_mut().read_json().unwrap_or_else(|e| panic!("state of sim {} is not JSON: {e}", self.spec.id))
     }
 
     /// The worker entry of a router configuration for this engine.
@@ -297,32 +228,19 @@ impl Sim {
 /// Renders a router configuration to an Envoy bootstrap with the CLI.
 pub fn render(router: &Value, dir: &Path, listen_port: u16, admin_port: u16) -> PathBuf {
     let router_path = dir.join("router.json");
-    fs::write(
-        &router_path,
-        serde_json::to_vec_pretty(router).unwrap_or_default(),
-    )
-    .unwrap_or_else(|e| panic!("cannot write router config: {e}"));
+    fs::write(&router_path, serde_json::to_vec_pretty(router).unwrap_or_default())
+        .unwrap_or_else(|e| panic!("cannot write router config: {e}"));
     let out = Command::new(cli_bin())
         .arg("render")
         .arg(&router_path)
         .arg("--wasm")
         .arg(wasm_module())
-        .args([
-            "--listen",
-            &format!("127.0.0.1:{listen_port}"),
-            "--admin",
-            &admin_port.to_string(),
-        ])
+        .args(["--listen", &format!("127.0.0.1:{listen_port}"), "--admin", &admin_port.to_string()])
         .output()
         .unwrap_or_else(|e| panic!("cannot run the CLI: {e}"));
-    assert!(
-        out.status.success(),
-        "render failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "render failed: {}", String::from_utf8_lossy(&out.stderr));
     let envoy_path = dir.join("envoy.yaml");
-    fs::write(&envoy_path, &out.stdout)
-        .unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
+    fs::write(&envoy_path, &out.stdout).unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
     envoy_path
 }
 
@@ -336,15 +254,9 @@ impl Envoy {
     /// Starts Envoy on a rendered bootstrap and waits for admin `/ready`.
     pub fn start(config: &Path, listen_port: u16, admin_port: u16, dir: &Path) -> Self {
         let mut cmd = Command::new(envoy_bin());
-        cmd.arg("-c")
-            .arg(config)
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"])
-            .current_dir(dir);
-        let mut envoy = Self {
-            port: listen_port,
-            admin_port,
-            process: Process::spawn("envoy", &mut cmd, dir.join("envoy.log")),
-        };
+        cmd.arg("-c").arg(config).args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"]).current_dir(dir);
+        let mut envoy =
+            Self { port: listen_port, admin_port, process: Process::spawn("envoy", &mut cmd, dir.join("envoy.log")) };
         let a = agent();
         let url = format!("http://127.0.0.1:{admin_port}/ready");
         let start = Instant::now();
@@ -401,14 +313,11 @@ impl Deployment {
         let (port, admin) = (free_port(), free_port());
         let rendered = render(&router, &dir, port, admin);
         let text = fs::read_to_string(&rendered).unwrap_or_default();
-        let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text)
-            .unwrap_or_else(|e| panic!("rendered YAML does not parse: {e}"));
+        let mut yaml: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("rendered YAML does not parse: {e}"));
         adjust(&mut yaml);
-        fs::write(
-            &rendered,
-            serde_yaml_ng::to_string(&yaml).unwrap_or_default(),
-        )
-        .unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
+        fs::write(&rendered, serde_yaml_ng::to_string(&yaml).unwrap_or_default())
+            .unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
         let envoy = Envoy::start(&rendered, port, admin, &dir);
         Self { sims, envoy, dir }
     }
@@ -418,10 +327,7 @@ impl Deployment {
     }
 
     pub fn sim(&self, id: &str) -> &Sim {
-        self.sims
-            .iter()
-            .find(|s| s.spec.id == id)
-            .unwrap_or_else(|| panic!("no sim {id}"))
+        self.sims.iter().find(|s| s.spec.id == id).unwrap_or_else(|| panic!("no sim {id}"))
     }
 
     pub fn chat(&self, body: &Value) -> Reply {
@@ -429,23 +335,14 @@ impl Deployment {
     }
 
     pub fn chat_with_headers(&self, body: &Value, headers: &[(&str, &str)]) -> Reply {
-        send(
-            &self.envoy.url("/v1/chat/completions"),
-            "POST",
-            Some(body),
-            headers,
-        )
+        send(&self.envoy.url("/v1/chat/completions"), "POST", Some(body), headers)
     }
 }
 
 impl Drop for Deployment {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!(
-                "----- Envoy log ({}) -----\n{}",
-                self.dir.display(),
-                self.envoy.log_text()
-            );
+            eprintln!("----- Envoy log ({}) -----\n{}", self.dir.display(), self.envoy.log_text());
         }
     }
 }
@@ -460,26 +357,17 @@ pub struct Reply {
 
 impl Reply {
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     pub fn json(&self) -> Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
     }
 
     /// The engine that served, as the simulator reports it.
     pub fn engine(&self) -> String {
         self.header("x-sim-engine")
-            .unwrap_or_else(|| {
-                panic!(
-                    "no x-sim-engine header (status {}): {}",
-                    self.status, self.body
-                )
-            })
+            .unwrap_or_else(|| panic!("no x-sim-engine header (status {}): {}", self.status, self.body))
             .to_string()
     }
 }
@@ -500,9 +388,7 @@ pub fn send(url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &st
                 req = req.header(*k, *v);
             }
             match body {
-                Some(b) => req
-                    .header("content-type", "application/json")
-                    .send(b.to_string()),
+                Some(b) => req.header("content-type", "application/json").send(b.to_string()),
                 None => req.send_empty(),
             }
         }
@@ -512,20 +398,11 @@ pub fn send(url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &st
     let headers = response
         .headers()
         .iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_string(),
-                v.to_str().unwrap_or_default().to_string(),
-            )
-        })
+        .map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or_default().to_string()))
         .collect();
     let mut body = String::new();
     let _ = response.body_mut().as_reader().read_to_string(&mut body);
-    Reply {
-        status,
-        headers,
-        body,
-    }
+    Reply { status, headers, body }
 }
 
 /// A chat body with `content` as the single user message.
@@ -555,21 +432,16 @@ pub fn plain_router(sims: &[Sim]) -> Value {
 pub fn sse_events(body: &str) -> Vec<String> {
     body.split("\n\n")
         .filter(|e| !e.trim().is_empty())
-        .map(|e| {
-            e.strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("not an SSE data event: {e:?}"))
-                .to_string()
-        })
+        .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data event: {e:?}")).to_string())
         .collect()
 }
 
 impl Envoy {
     /// The value of one Prometheus sample, e.g. `sgl_router_inflight{worker="A"}`.
     pub fn metric(&self, sample: &str) -> Option<f64> {
-        self.admin("/stats/prometheus").lines().find_map(|l| {
-            l.strip_prefix(sample)
-                .and_then(|rest| rest.trim().parse().ok())
-        })
+        self.admin("/stats/prometheus")
+            .lines()
+            .find_map(|l| l.strip_prefix(sample).and_then(|rest| rest.trim().parse().ok()))
     }
 }
 
@@ -577,36 +449,23 @@ impl Deployment {
     /// Waits until the service has published health and has a fresh load report for `workers`
     /// engines (pass 0 when `load.source` is `none`).
     pub fn wait_for_service(&self, workers: usize) {
-        wait_for(
-            "the service's first health and load data",
-            Duration::from_secs(20),
-            || {
-                let health = self.envoy.metric("sgl_router_health_published{}")? >= 1.0;
-                let fresh = self.envoy.metric("sgl_router_fresh_load_reports{}")? >= workers as f64;
-                (health && fresh).then_some(())
-            },
-        );
+        wait_for("the service's first health and load data", Duration::from_secs(20), || {
+            let health = self.envoy.metric("sgl_router_health_published{}")? >= 1.0;
+            let fresh = self.envoy.metric("sgl_router_fresh_load_reports{}")? >= workers as f64;
+            (health && fresh).then_some(())
+        });
     }
 
     /// The in-flight count the filters share, as the service exports it.
     pub fn inflight(&self, worker: &str) -> f64 {
-        self.envoy
-            .metric(&format!("sgl_router_inflight{{worker=\"{worker}\"}}"))
-            .unwrap_or(-1.0)
+        self.envoy.metric(&format!("sgl_router_inflight{{worker=\"{worker}\"}}")).unwrap_or(-1.0)
     }
 
     /// Waits until every listed worker's shared in-flight count is zero.
     pub fn wait_for_idle(&self, workers: &[&str]) {
-        wait_for(
-            "every in-flight count back to zero",
-            Duration::from_secs(20),
-            || {
-                workers
-                    .iter()
-                    .all(|w| self.inflight(w) == 0.0)
-                    .then_some(())
-            },
-        );
+        wait_for("every in-flight count back to zero", Duration::from_secs(20), || {
+            workers.iter().all(|w| self.inflight(w) == 0.0).then_some(())
+        });
     }
 }
 
@@ -638,8 +497,5 @@ pub fn pd_router(sims: &[Sim], buckets: &[PdBucket<'_>]) -> Value {
 }
 
 pub fn now_unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }

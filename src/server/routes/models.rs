@@ -8,11 +8,7 @@ pub fn list_models(config: &RouterConfig) -> Vec<u8> {
     let data: Vec<_> = config
         .models
         .keys()
-        .map(
-            |id| json!({"id": id, "object": "model", "created": 0, "owned_by": "sgl-envoy-router"}),
-        )
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "sgl-envoy-router"}))
         .collect();
-    json!({"object": "list", "data": data})
-        .to_string()
-        .into_bytes()
+    json!({"object": "list", "data": data}).to_string().into_bytes()
 }

@@ -23,10 +23,7 @@ pub struct InflightGuard {
 impl InflightGuard {
     pub fn acquire(table: Arc<dyn InflightTable>, worker: &str) -> Self {
         table.acquire(worker);
-        Self {
-            table,
-            worker: worker.to_string(),
-        }
+        Self { table, worker: worker.to_string() }
     }
 
     pub fn worker(&self) -> &str {
@@ -56,19 +53,11 @@ impl MemoryInflight {
 
 impl InflightTable for MemoryInflight {
     fn inflight(&self, worker: &str) -> u64 {
-        self.counts
-            .lock()
-            .ok()
-            .and_then(|c| c.get(worker).map(|v| v.0))
-            .unwrap_or(0)
+        self.counts.lock().ok().and_then(|c| c.get(worker).map(|v| v.0)).unwrap_or(0)
     }
 
     fn dispatched_total(&self, worker: &str) -> u64 {
-        self.counts
-            .lock()
-            .ok()
-            .and_then(|c| c.get(worker).map(|v| v.1))
-            .unwrap_or(0)
+        self.counts.lock().ok().and_then(|c| c.get(worker).map(|v| v.1)).unwrap_or(0)
     }
 
     fn acquire(&self, worker: &str) {
@@ -124,18 +113,10 @@ struct Shares {
 
 impl Shares {
     fn decode(bytes: &[u8]) -> Self {
-        let word = |c: &[u8], i: usize| {
-            c.get(i * 8..i * 8 + 8)
-                .and_then(crate::state::shared::decode_u64)
-                .unwrap_or(0)
-        };
+        let word = |c: &[u8], i: usize| c.get(i * 8..i * 8 + 8).and_then(crate::state::shared::decode_u64).unwrap_or(0);
         let retired_total = word(bytes, 0);
-        let vms = bytes
-            .get(8..)
-            .unwrap_or_default()
-            .chunks_exact(24)
-            .map(|c| (word(c, 0), word(c, 1), word(c, 2)))
-            .collect();
+        let vms =
+            bytes.get(8..).unwrap_or_default().chunks_exact(24).map(|c| (word(c, 0), word(c, 1), word(c, 2))).collect();
         Self { retired_total, vms }
     }
 
@@ -154,10 +135,7 @@ impl Shares {
     }
 
     fn total(&self) -> u64 {
-        self.vms
-            .iter()
-            .map(|v| v.2)
-            .fold(self.retired_total, u64::saturating_add)
+        self.vms.iter().map(|v| v.2).fold(self.retired_total, u64::saturating_add)
     }
 
     fn own(&mut self, vm: u64) -> &mut (u64, u64, u64) {
@@ -187,27 +165,18 @@ impl SharedInflight {
 
     fn change(&self, worker: &str, f: impl Fn(&mut Shares)) {
         let key = crate::state::keys::inflight(worker);
-        let result = crate::state::shared::update(
-            self.host.as_ref(),
-            &key,
-            &Shares::default().encode(),
-            |bytes| {
-                let mut shares = Shares::decode(bytes);
-                f(&mut shares);
-                (shares.encode(), ())
-            },
-        );
+        let result = crate::state::shared::update(self.host.as_ref(), &key, &Shares::default().encode(), |bytes| {
+            let mut shares = Shares::decode(bytes);
+            f(&mut shares);
+            (shares.encode(), ())
+        });
         if let Err(e) = result {
             log::warn!("in-flight count of {worker} not updated: {e}");
         }
     }
 
     /// The service's sweep: folds the shares of dead VMs away, keeping their dispatch totals.
-    pub fn reclaim(
-        host: &dyn crate::host::Host,
-        worker: &str,
-        dead: &[u64],
-    ) -> Result<u64, crate::host::HostError> {
+    pub fn reclaim(host: &dyn crate::host::Host, worker: &str, dead: &[u64]) -> Result<u64, crate::host::HostError> {
         let key = crate::state::keys::inflight(worker);
         crate::state::shared::update(host, &key, &Shares::default().encode(), |bytes| {
             let mut shares = Shares::decode(bytes);
@@ -228,9 +197,7 @@ impl SharedInflight {
 
 impl std::fmt::Debug for SharedInflight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedInflight")
-            .field("vm", &self.vm)
-            .finish()
+        f.debug_struct("SharedInflight").field("vm", &self.vm).finish()
     }
 }
 
@@ -289,10 +256,7 @@ mod shared_tests {
         crashed.acquire("A");
         alive.acquire("A");
         assert_eq!(alive.inflight("A"), 3);
-        assert_eq!(
-            SharedInflight::reclaim(host.as_ref(), "A", &[1]).unwrap(),
-            2
-        );
+        assert_eq!(SharedInflight::reclaim(host.as_ref(), "A", &[1]).unwrap(), 2);
         assert_eq!((alive.inflight("A"), alive.dispatched_total("A")), (1, 3));
         alive.release("A");
         assert_eq!(alive.inflight("A"), 0);
@@ -302,9 +266,7 @@ mod shared_tests {
     fn concurrent_updates_from_many_vms_are_not_lost() {
         // Interleave read-modify-write cycles: every VM reads, then every VM writes with its cas.
         let host = Arc::new(MemoryHost::default());
-        let vms: Vec<SharedInflight> = (0..8)
-            .map(|vm| SharedInflight::new(host.clone(), vm))
-            .collect();
+        let vms: Vec<SharedInflight> = (0..8).map(|vm| SharedInflight::new(host.clone(), vm)).collect();
         for round in 0..50 {
             for vm in &vms {
                 vm.acquire("A");

@@ -71,14 +71,7 @@ impl LoadPoller {
             LoadSource::Prometheus => (ReportKind::Basic, parse_prometheus(body)?),
             LoadSource::None => return Ok(()),
         };
-        self.table.record(
-            &worker.id,
-            worker.dp_size,
-            kind,
-            reports,
-            now_ms,
-            dispatches,
-        );
+        self.table.record(&worker.id, worker.dp_size, kind, reports, now_ms, dispatches);
         self.dirty = true;
         Ok(())
     }
@@ -102,11 +95,7 @@ mod tests {
     use crate::policies::testing::worker;
 
     fn poller(source: LoadSource) -> LoadPoller {
-        let config = LoadConfig {
-            source,
-            interval_ms: 100,
-            ..LoadConfig::default()
-        };
+        let config = LoadConfig { source, interval_ms: 100, ..LoadConfig::default() };
         LoadPoller::new(&config, &[worker("A"), worker("B")])
     }
 
@@ -124,19 +113,11 @@ mod tests {
     fn a_successful_poll_is_published_once() {
         let mut p = poller(LoadSource::SglangGetLoad);
         assert_eq!(p.due(0), vec![0, 1]);
-        p.record(
-            0,
-            Some(br#"[{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 5}]"#),
-            10,
-            7,
-        )
-        .unwrap();
+        p.record(0, Some(br#"[{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 5}]"#), 10, 7)
+            .unwrap();
         let published: LoadTable = serde_json::from_slice(&p.take_publication().unwrap()).unwrap();
         let a = published.snapshot(10, 1000).get("A").cloned().unwrap();
-        assert_eq!(
-            (a.running, a.waiting, a.kind, a.dispatches_at_report),
-            (Some(2), Some(1), ReportKind::Basic, 7)
-        );
+        assert_eq!((a.running, a.waiting, a.kind, a.dispatches_at_report), (Some(2), Some(1), ReportKind::Basic, 7));
         assert!(p.take_publication().is_none(), "nothing new to publish");
     }
 
@@ -147,10 +128,6 @@ mod tests {
         p.record(0, None, 10, 0).unwrap();
         assert!(p.record(1, Some(b"<html>"), 10, 0).is_err());
         assert!(p.take_publication().is_none());
-        assert_eq!(
-            p.due(100),
-            vec![0, 1],
-            "both polls finished and are due again"
-        );
+        assert_eq!(p.due(100), vec![0, 1], "both polls finished and are due again");
     }
 }

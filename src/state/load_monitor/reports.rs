@@ -38,23 +38,17 @@ pub enum ReportError {
 
 fn field(v: &Value, name: &str) -> Option<u64> {
     let n = v.get(name)?;
-    n.as_u64()
-        .or_else(|| n.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
+    n.as_u64().or_else(|| n.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
 fn rank(v: &Value, fallback: usize) -> u32 {
-    field(v, "dp_rank")
-        .and_then(|r| u32::try_from(r).ok())
-        .unwrap_or(u32::try_from(fallback).unwrap_or(u32::MAX))
+    field(v, "dp_rank").and_then(|r| u32::try_from(r).ok()).unwrap_or(u32::try_from(fallback).unwrap_or(u32::MAX))
 }
 
 /// `GET /v1/loads` → `{"loads": [{dp_rank, num_running_reqs, …}]}`.
 pub fn parse_v1_loads(body: &[u8]) -> Result<Vec<RankReport>, ReportError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| ReportError::Json(e.to_string()))?;
-    let loads = v
-        .get("loads")
-        .and_then(Value::as_array)
-        .ok_or(ReportError::Shape("no `loads` array"))?;
+    let loads = v.get("loads").and_then(Value::as_array).ok_or(ReportError::Shape("no `loads` array"))?;
     Ok(loads
         .iter()
         .enumerate()
@@ -93,8 +87,7 @@ pub fn parse_get_load(body: &[u8]) -> Result<Vec<RankReport>, ReportError> {
 /// `GET /metrics` (Prometheus text) with SGLang's or vLLM's names. Samples of one metric with
 /// different `dp_rank` labels are separate ranks; without the label all samples are rank 0.
 pub fn parse_prometheus(body: &[u8]) -> Result<Vec<RankReport>, ReportError> {
-    let text =
-        std::str::from_utf8(body).map_err(|_| ReportError::Shape("metrics are not UTF-8"))?;
+    let text = std::str::from_utf8(body).map_err(|_| ReportError::Shape("metrics are not UTF-8"))?;
     let mut ranks: Vec<RankReport> = Vec::new();
     for line in text.lines() {
         let line = line.trim();
@@ -112,16 +105,11 @@ pub fn parse_prometheus(body: &[u8]) -> Result<Vec<RankReport>, ReportError> {
             Some((n, l)) => (n.trim(), l.trim_end_matches('}')),
             None => (name_labels.trim(), ""),
         };
-        let dp_rank = label(labels, "dp_rank")
-            .and_then(|r| r.parse::<u32>().ok())
-            .unwrap_or(0);
+        let dp_rank = label(labels, "dp_rank").and_then(|r| r.parse::<u32>().ok()).unwrap_or(0);
         let report = match ranks.iter_mut().position(|r| r.dp_rank == dp_rank) {
             Some(i) => &mut ranks[i],
             None => {
-                ranks.push(RankReport {
-                    dp_rank,
-                    ..RankReport::default()
-                });
+                ranks.push(RankReport { dp_rank, ..RankReport::default() });
                 let last = ranks.len() - 1;
                 &mut ranks[last]
             }
@@ -138,10 +126,7 @@ pub fn parse_prometheus(body: &[u8]) -> Result<Vec<RankReport>, ReportError> {
             _ => {}
         }
     }
-    if ranks
-        .iter()
-        .all(|r| r.running.is_none() && r.waiting.is_none())
-    {
+    if ranks.iter().all(|r| r.running.is_none() && r.waiting.is_none()) {
         return Err(ReportError::Shape("no running or waiting metric"));
     }
     // KV tokens from a usage fraction need a capacity metric; without one they stay unknown.
@@ -182,40 +167,21 @@ mod tests {
             (Some(3), Some(2), Some(100), Some(1000))
         );
         assert_eq!(r[0].waiting_uncached_tokens, Some(40));
-        assert_eq!(
-            (r[0].prefill_tokens_total, r[0].prefill_busy_us_total),
-            (Some(5000), Some(250000))
-        );
-        assert_eq!(
-            (
-                r[1].dp_rank,
-                r[1].waiting_uncached_tokens,
-                r[1].prefill_tokens_total
-            ),
-            (1, None, None)
-        );
+        assert_eq!((r[0].prefill_tokens_total, r[0].prefill_busy_us_total), (Some(5000), Some(250000)));
+        assert_eq!((r[1].dp_rank, r[1].waiting_uncached_tokens, r[1].prefill_tokens_total), (1, None, None));
     }
 
     #[test]
     fn get_load_maps_num_reqs_to_running() {
-        let r = parse_get_load(
-            br#"[{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 1, "num_tokens": 77}]"#,
-        )
-        .unwrap();
-        assert_eq!(
-            (r[0].running, r[0].waiting, r[0].kv_used, r[0].kv_capacity),
-            (Some(5), Some(1), Some(77), None)
-        );
+        let r = parse_get_load(br#"[{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 1, "num_tokens": 77}]"#).unwrap();
+        assert_eq!((r[0].running, r[0].waiting, r[0].kv_used, r[0].kv_capacity), (Some(5), Some(1), Some(77), None));
     }
 
     #[test]
     fn prometheus_reads_sglang_names() {
         let text = b"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name=\"m\"} 4\nsglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:token_usage{model_name=\"m\"} 0.25\n";
         let r = parse_prometheus(text).unwrap();
-        assert_eq!(
-            (r[0].running, r[0].waiting, r[0].kv_usage, r[0].kv_used),
-            (Some(4), Some(2), Some(0.25), None)
-        );
+        assert_eq!((r[0].running, r[0].waiting, r[0].kv_usage, r[0].kv_used), (Some(4), Some(2), Some(0.25), None));
     }
 
     #[test]

@@ -39,9 +39,7 @@ impl SharedLoadView {
 
 impl std::fmt::Debug for SharedLoadView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedLoadView")
-            .field("stale_after_ms", &self.stale_after_ms)
-            .finish()
+        f.debug_struct("SharedLoadView").field("stale_after_ms", &self.stale_after_ms).finish()
     }
 }
 
@@ -80,25 +78,13 @@ mod tests {
         let view = SharedLoadView::new(host.clone(), 1000);
         assert!(view.snapshot().get("A").is_none());
         let mut table = LoadTable::default();
-        let report = RankReport {
-            running: Some(3),
-            waiting: Some(1),
-            ..RankReport::default()
-        };
+        let report = RankReport { running: Some(3), waiting: Some(1), ..RankReport::default() };
         table.record("A", 1, ReportKind::Basic, vec![report], host.now_ms(), 0);
-        publish(
-            host.as_ref(),
-            keys::LOAD_TABLE,
-            &serde_json::to_vec(&table).unwrap(),
-        )
-        .unwrap();
+        publish(host.as_ref(), keys::LOAD_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
         assert_eq!(view.snapshot().get("A").and_then(|l| l.running), Some(3));
         host.advance_ms(1000);
         assert!(view.snapshot().get("A").is_some());
         host.advance_ms(1);
-        assert!(
-            view.snapshot().get("A").is_none(),
-            "stale without a new publication"
-        );
+        assert!(view.snapshot().get("A").is_none(), "stale without a new publication");
     }
 }

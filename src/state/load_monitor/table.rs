@@ -78,15 +78,12 @@ impl LoadTable {
         now_ms: u64,
         dispatches: u64,
     ) {
-        let entry = self
-            .workers
-            .entry(worker.to_string())
-            .or_insert_with(|| WorkerLoad {
-                kind,
-                dp_size,
-                ranks: vec![None; dp_size.max(1) as usize],
-                dispatches_at_report: dispatches,
-            });
+        let entry = self.workers.entry(worker.to_string()).or_insert_with(|| WorkerLoad {
+            kind,
+            dp_size,
+            ranks: vec![None; dp_size.max(1) as usize],
+            dispatches_at_report: dispatches,
+        });
         entry.kind = kind;
         entry.dispatches_at_report = dispatches;
         if entry.ranks.len() != dp_size.max(1) as usize {
@@ -100,11 +97,7 @@ impl LoadTable {
                 .as_ref()
                 .and_then(|prev| throughput(&prev.report, &report))
                 .or_else(|| slot.as_ref().and_then(|prev| prev.prefill_tokens_per_ms));
-            *slot = Some(RankSample {
-                report,
-                at_ms: now_ms,
-                prefill_tokens_per_ms: throughput,
-            });
+            *slot = Some(RankSample { report, at_ms: now_ms, prefill_tokens_per_ms: throughput });
         }
     }
 
@@ -127,11 +120,7 @@ impl LoadTable {
             .collect();
         let valid_until = loads
             .values()
-            .map(|l| {
-                l.reported_at_ms
-                    .saturating_add(stale_after_ms)
-                    .saturating_add(1)
-            })
+            .map(|l| l.reported_at_ms.saturating_add(stale_after_ms).saturating_add(1))
             .min()
             .unwrap_or(u64::MAX);
         (LoadSnapshot { loads }, valid_until)
@@ -140,12 +129,8 @@ impl LoadTable {
 
 /// Tokens per busy millisecond between two samples of the cumulative prefill counters.
 fn throughput(prev: &RankReport, now: &RankReport) -> Option<f64> {
-    let tokens = now
-        .prefill_tokens_total?
-        .checked_sub(prev.prefill_tokens_total?)?;
-    let busy_us = now
-        .prefill_busy_us_total?
-        .checked_sub(prev.prefill_busy_us_total?)?;
+    let tokens = now.prefill_tokens_total?.checked_sub(prev.prefill_tokens_total?)?;
+    let busy_us = now.prefill_busy_us_total?.checked_sub(prev.prefill_busy_us_total?)?;
     (busy_us > 0 && tokens > 0).then(|| tokens as f64 / (busy_us as f64 / 1000.0))
 }
 
@@ -155,10 +140,7 @@ fn sum(mut values: impl Iterator<Item = Option<u64>>) -> Option<u64> {
 
 fn aggregate(w: &WorkerLoad, now_ms: u64, stale_after_ms: u64) -> Option<EngineLoad> {
     let samples: Vec<&RankSample> = w.ranks.iter().map(Option::as_ref).collect::<Option<_>>()?;
-    if samples
-        .iter()
-        .any(|s| now_ms.saturating_sub(s.at_ms) > stale_after_ms)
-    {
+    if samples.iter().any(|s| now_ms.saturating_sub(s.at_ms) > stale_after_ms) {
         return None;
     }
     let reports = || samples.iter().map(|s| &s.report);
@@ -195,9 +177,7 @@ impl LoadSnapshot {
     }
 
     pub fn from_loads(loads: impl IntoIterator<Item = (String, EngineLoad)>) -> Self {
-        Self {
-            loads: loads.into_iter().collect(),
-        }
+        Self { loads: loads.into_iter().collect() }
     }
 }
 
@@ -247,19 +227,9 @@ mod tests {
     #[test]
     fn ranks_are_summed() {
         let mut t = LoadTable::default();
-        t.record(
-            "A",
-            2,
-            ReportKind::Native,
-            vec![native(0, 1, 2), native(1, 3, 4)],
-            1000,
-            0,
-        );
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2), native(1, 3, 4)], 1000, 0);
         let l = t.snapshot(1000, 500).get("A").cloned().unwrap();
-        assert_eq!(
-            (l.running, l.waiting, l.kv_used, l.kv_capacity),
-            (Some(4), Some(6), Some(20), Some(200))
-        );
+        assert_eq!((l.running, l.waiting, l.kv_used, l.kv_capacity), (Some(4), Some(6), Some(20), Some(200)));
     }
 
     #[test]
@@ -272,14 +242,7 @@ mod tests {
     #[test]
     fn a_worker_counts_only_when_every_rank_is_fresh() {
         let mut t = LoadTable::default();
-        t.record(
-            "A",
-            2,
-            ReportKind::Native,
-            vec![native(0, 1, 2), native(1, 1, 1)],
-            1000,
-            0,
-        );
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2), native(1, 1, 1)], 1000, 0);
         t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2)], 1400, 0);
         assert!(t.snapshot(1500, 500).get("A").is_some());
         assert_eq!(t.snapshot(1501, 500).get("A"), None, "rank 1 is now stale");
@@ -298,14 +261,7 @@ mod tests {
         let mut t = LoadTable::default();
         let mut partial = native(1, 1, 1);
         partial.kv_used = None;
-        t.record(
-            "A",
-            2,
-            ReportKind::Native,
-            vec![native(0, 1, 1), partial],
-            1000,
-            0,
-        );
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 1), partial], 1000, 0);
         let l = t.snapshot(1000, 500).get("A").cloned().unwrap();
         assert_eq!(l.kv_used, None);
         assert_eq!(l.running, Some(2));
@@ -320,34 +276,11 @@ mod tests {
             waiting_uncached_tokens: Some(waiting),
             ..native(0, 0, 0)
         };
-        t.record(
-            "A",
-            1,
-            ReportKind::Native,
-            vec![sample(1000, 100_000, 500)],
-            1000,
-            0,
-        );
-        assert_eq!(
-            t.snapshot(1000, 500).get("A").unwrap().prefill_queue_ms,
-            None,
-            "one sample is not a rate"
-        );
+        t.record("A", 1, ReportKind::Native, vec![sample(1000, 100_000, 500)], 1000, 0);
+        assert_eq!(t.snapshot(1000, 500).get("A").unwrap().prefill_queue_ms, None, "one sample is not a rate");
         // 2,000 tokens in 100 ms busy = 20 tokens/ms; 500 waiting tokens → 25 ms.
-        t.record(
-            "A",
-            1,
-            ReportKind::Native,
-            vec![sample(3000, 200_000, 500)],
-            1250,
-            0,
-        );
-        let q = t
-            .snapshot(1250, 500)
-            .get("A")
-            .unwrap()
-            .prefill_queue_ms
-            .unwrap();
+        t.record("A", 1, ReportKind::Native, vec![sample(3000, 200_000, 500)], 1250, 0);
+        let q = t.snapshot(1250, 500).get("A").unwrap().prefill_queue_ms.unwrap();
         assert!((q - 25.0).abs() < 1e-9, "{q}");
     }
 

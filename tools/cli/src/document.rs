@@ -5,19 +5,15 @@ use std::path::Path;
 use sgl_envoy_router::config::{self, ConfigError, ConfigErrors, RouterConfig};
 
 pub fn load(path: &Path) -> Result<RouterConfig, ConfigErrors> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        ConfigErrors(vec![ConfigError::new(
-            "(file)",
-            format!("cannot read {}: {e}", path.display()),
-        )])
-    })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigErrors(vec![ConfigError::new("(file)", format!("cannot read {}: {e}", path.display()))]))?;
     parse(&text)
 }
 
 pub fn parse(text: &str) -> Result<RouterConfig, ConfigErrors> {
     // YAML is a superset of JSON, so one parser takes both.
-    let value: serde_json::Value = serde_yaml_ng::from_str(text)
-        .map_err(|e| ConfigErrors(vec![ConfigError::new("(document)", e.to_string())]))?;
+    let value: serde_json::Value =
+        serde_yaml_ng::from_str(text).map_err(|e| ConfigErrors(vec![ConfigError::new("(document)", e.to_string())]))?;
     let config = config::from_value(value)?;
     // The same construction the filter runs at on_configure, so validate accepts exactly what
     // Envoy accepts.

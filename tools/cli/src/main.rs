@@ -7,11 +7,7 @@ use sgl_envoy_router_cli::render::{render, RenderOptions, DEFAULT_WASM};
 use sgl_envoy_router_cli::translate::translate;
 
 #[derive(Parser)]
-#[command(
-    name = "sgl-envoy-router",
-    version,
-    about = "SGLang engine selection inside Envoy: configuration tools"
-)]
+#[command(name = "sgl-envoy-router", version, about = "SGLang engine selection inside Envoy: configuration tools")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -50,27 +46,14 @@ fn main() -> ExitCode {
         Command::Validate { config } => match document::load(&config) {
             Ok(c) => {
                 let buckets: usize = c.models.values().map(|m| m.buckets.len()).sum();
-                println!(
-                    "ok: {} workers, {} models, {} buckets",
-                    c.workers.len(),
-                    c.models.len(),
-                    buckets
-                );
+                println!("ok: {} workers, {} models, {} buckets", c.workers.len(), c.models.len(), buckets);
                 ExitCode::SUCCESS
             }
             Err(errors) => report(&config, &errors),
         },
         Command::Translate { model, args } => run_translate(&model, &args),
-        Command::Render {
-            config,
-            wasm,
-            listen,
-            admin,
-        } => {
-            let Some((address, port)) = listen
-                .rsplit_once(':')
-                .and_then(|(a, p)| Some((a, p.parse().ok()?)))
-            else {
+        Command::Render { config, wasm, listen, admin } => {
+            let Some((address, port)) = listen.rsplit_once(':').and_then(|(a, p)| Some((a, p.parse().ok()?))) else {
                 eprintln!("error: --listen must be ADDR:PORT, got `{listen}`");
                 return ExitCode::FAILURE;
             };
@@ -123,10 +106,7 @@ fn run_translate(model: &str, args: &[String]) -> ExitCode {
         }
         return ExitCode::FAILURE;
     }
-    print!(
-        "# Translated from: sglang-router {}\n{yaml}",
-        args.join(" ")
-    );
+    print!("# Translated from: sglang-router {}\n{yaml}", args.join(" "));
     ExitCode::SUCCESS
 }
 

@@ -29,15 +29,10 @@ impl Default for RenderOptions {
     }
 }
 
-pub fn render(
-    config: &RouterConfig,
-    options: &RenderOptions,
-) -> Result<String, serde_yaml_ng::Error> {
+pub fn render(config: &RouterConfig, options: &RenderOptions) -> Result<String, serde_yaml_ng::Error> {
     let bootstrap = bootstrap(config, options);
     let yaml = serde_yaml_ng::to_string(&bootstrap)?;
-    Ok(format!(
-        "# Rendered by `sgl-envoy-router render`; edit the router configuration and render again.\n{yaml}"
-    ))
+    Ok(format!("# Rendered by `sgl-envoy-router render`; edit the router configuration and render again.\n{yaml}"))
 }
 
 fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {

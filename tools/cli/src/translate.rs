@@ -14,17 +14,11 @@ pub enum TranslateError {
 }
 
 fn refuse(flag: &str, why: &str) -> TranslateError {
-    TranslateError::Refused {
-        flag: flag.to_string(),
-        why: why.to_string(),
-    }
+    TranslateError::Refused { flag: flag.to_string(), why: why.to_string() }
 }
 
 fn bad(flag: &str, why: impl Into<String>) -> TranslateError {
-    TranslateError::BadValue {
-        flag: flag.to_string(),
-        why: why.into(),
-    }
+    TranslateError::BadValue { flag: flag.to_string(), why: why.into() }
 }
 
 /// The result, plus notes for what belongs elsewhere (listener address, for instance).
@@ -34,13 +28,7 @@ pub struct Translation {
     pub notes: Vec<String>,
 }
 
-const POLICIES: &[&str] = &[
-    "random",
-    "round_robin",
-    "power_of_two",
-    "cache_aware",
-    "load_based",
-];
+const POLICIES: &[&str] = &["random", "round_robin", "power_of_two", "cache_aware", "load_based"];
 
 /// Options design §7 dropped, and modes without a bucket-first design yet.
 fn refused_reason(flag: &str, value: Option<&str>) -> Option<&'static str> {
@@ -83,7 +71,9 @@ fn unfaithful_reason(flag: &str) -> Option<&'static str> {
         "--max-concurrent-requests" | "--queue-size" | "--queue-timeout-secs" | "--rate-limit-tokens-per-second" => {
             "rate limiting belongs to Envoy's local rate limit filter"
         }
-        _ if flag.starts_with("--retry") || flag == "--disable-retries" => "retries belong to Envoy's route retry policy",
+        _ if flag.starts_with("--retry") || flag == "--disable-retries" => {
+            "retries belong to Envoy's route retry policy"
+        }
         _ => return None,
     })
 }
@@ -119,9 +109,7 @@ fn one<'a>(flag: &str, values: &[&'a str]) -> Result<&'a str, TranslateError> {
 }
 
 fn number(flag: &str, values: &[&str]) -> Result<f64, TranslateError> {
-    one(flag, values)?
-        .parse::<f64>()
-        .map_err(|_| bad(flag, "is not a number"))
+    one(flag, values)?.parse::<f64>().map_err(|_| bad(flag, "is not a number"))
 }
 
 fn seconds_ms(flag: &str, values: &[&str]) -> Result<u64, TranslateError> {
@@ -133,9 +121,7 @@ fn seconds_ms(flag: &str, values: &[&str]) -> Result<u64, TranslateError> {
 }
 
 fn whole(flag: &str, values: &[&str]) -> Result<u64, TranslateError> {
-    one(flag, values)?
-        .parse::<u64>()
-        .map_err(|_| bad(flag, "is not a whole number"))
+    one(flag, values)?.parse::<u64>().map_err(|_| bad(flag, "is not a whole number"))
 }
 
 pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateError> {
@@ -167,15 +153,10 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
             "--pd-disaggregation" => pd = true,
             "--prefill" => match values.as_slice() {
                 [url] => prefills.push((url.to_string(), None)),
-                [url, port] if port.eq_ignore_ascii_case("none") => {
-                    prefills.push((url.to_string(), None))
-                }
+                [url, port] if port.eq_ignore_ascii_case("none") => prefills.push((url.to_string(), None)),
                 [url, port] => prefills.push((
                     url.to_string(),
-                    Some(
-                        port.parse()
-                            .map_err(|_| bad(flag, "bootstrap port is not a port"))?,
-                    ),
+                    Some(port.parse().map_err(|_| bad(flag, "bootstrap port is not a port"))?),
                 )),
                 _ => return Err(bad(flag, "takes URL [BOOTSTRAP_PORT]")),
             },
@@ -202,10 +183,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
             }
             "--max-tree-size" => {
                 // Counted in characters there; in tokens of 4 bytes here.
-                cache.insert(
-                    "max_tree_tokens".into(),
-                    json!(whole(flag, values)?.div_ceil(4).max(1)),
-                );
+                cache.insert("max_tree_tokens".into(), json!(whole(flag, values)?.div_ceil(4).max(1)));
             }
             "--max-in-flight" => max_inflight = Some(whole(flag, values)?),
             "--filter" => match one(flag, values)? {
@@ -241,16 +219,9 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
                 }
             }
             "--disable-circuit-breaker" => breaker = None,
-            "--host" | "--port" => notes.push(format!(
-                "{flag} {}: the listener is Envoy's; pass it to `render --listen`",
-                values.join(" ")
-            )),
-            other => {
-                return Err(refuse(
-                    other,
-                    "unknown option, or one this router cannot reproduce",
-                ))
-            }
+            "--host" | "--port" => notes
+                .push(format!("{flag} {}: the listener is Envoy's; pass it to `render --listen`", values.join(" "))),
+            other => return Err(refuse(other, "unknown option, or one this router cannot reproduce")),
         }
     }
 
@@ -278,10 +249,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     let mut workers = Vec::new();
     let groups = if pd || !prefills.is_empty() || !decodes.is_empty() {
         if !plain_urls.is_empty() {
-            return Err(bad(
-                "--worker-urls",
-                "cannot be mixed with --prefill/--decode (one model is plain or PD)",
-            ));
+            return Err(bad("--worker-urls", "cannot be mixed with --prefill/--decode (one model is plain or PD)"));
         }
         if prefills.is_empty() || decodes.is_empty() {
             return Err(TranslateError::NoWorkers);
@@ -294,18 +262,12 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
             workers.push(w);
         }
         for (i, url) in decodes.iter().enumerate() {
-            workers.push(
-                json!({"id": format!("decode-{i}"), "url": url, "model": model, "role": "decode"}),
-            );
+            workers.push(json!({"id": format!("decode-{i}"), "url": url, "model": model, "role": "decode"}));
         }
         let decode_name = decode_policy.clone().unwrap_or_else(|| policy.clone());
         if decode_name == "cache_aware" {
             return Err(refuse(
-                if decode_policy.is_some() {
-                    "--decode-policy cache_aware"
-                } else {
-                    "--policy cache_aware"
-                },
+                if decode_policy.is_some() { "--decode-policy cache_aware" } else { "--policy cache_aware" },
                 "cache_aware is valid only for prefill; give --decode-policy (e.g. power_of_two)",
             ));
         }
@@ -318,15 +280,10 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
             return Err(TranslateError::NoWorkers);
         }
         if prefill_policy.is_some() || decode_policy.is_some() {
-            return Err(bad(
-                "--prefill-policy/--decode-policy",
-                "apply only with --pd-disaggregation",
-            ));
+            return Err(bad("--prefill-policy/--decode-policy", "apply only with --pd-disaggregation"));
         }
         for (i, url) in plain_urls.iter().enumerate() {
-            workers.push(
-                json!({"id": format!("worker-{i}"), "url": url, "model": model, "role": "plain"}),
-            );
+            workers.push(json!({"id": format!("worker-{i}"), "url": url, "model": model, "role": "plain"}));
         }
         json!({"plain": {"policy": group_policy(&policy)}})
     };
@@ -387,31 +344,22 @@ mod tests {
     fn plain_workers_and_policy_carry_over() {
         let c = ok("--worker-urls http://a:1 http://b:2 --policy round_robin");
         assert_eq!(c["workers"].as_array().unwrap().len(), 2);
-        assert_eq!(
-            c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"],
-            "round_robin"
-        );
+        assert_eq!(c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"], "round_robin");
     }
 
     #[test]
     fn load_based_and_power_of_two_are_kept() {
         for p in ["load_based", "power_of_two", "random"] {
             let c = ok(&format!("--worker-urls http://a:1 --policy {p}"));
-            assert_eq!(
-                c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"],
-                p
-            );
+            assert_eq!(c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"], p);
         }
     }
 
     #[test]
     fn max_in_flight_and_filter_overloaded_become_max_inflight_requests() {
-        let c = ok(
-            "--worker-urls http://a:1 --policy round_robin --max-in-flight 32 --filter overloaded",
-        );
+        let c = ok("--worker-urls http://a:1 --policy round_robin --max-in-flight 32 --filter overloaded");
         assert_eq!(
-            c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"]
-                ["max_inflight_requests"],
+            c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"]["max_inflight_requests"],
             32
         );
         assert!(translate("m", &args("--worker-urls http://a:1 --filter overloaded")).is_err());
@@ -421,18 +369,12 @@ mod tests {
     fn pd_lists_with_bootstrap_ports_carry_over() {
         let c = ok("--pd-disaggregation --prefill http://p1:30000 9000 --prefill http://p2:30000 none --decode http://d1:30001 --prefill-policy round_robin --decode-policy power_of_two");
         let w = c["workers"].as_array().unwrap();
-        assert_eq!(
-            (w[0]["role"].as_str(), w[0]["bootstrap_port"].as_u64()),
-            (Some("prefill"), Some(9000))
-        );
+        assert_eq!((w[0]["role"].as_str(), w[0]["bootstrap_port"].as_u64()), (Some("prefill"), Some(9000)));
         assert_eq!(w[1].get("bootstrap_port"), None);
         assert_eq!(w[2]["role"], "decode");
         let g = &c["models"]["m"]["buckets"][0]["groups"]["pd"];
         assert_eq!(
-            (
-                g["prefill"]["policy"]["type"].as_str(),
-                g["decode"]["policy"]["type"].as_str()
-            ),
+            (g["prefill"]["policy"]["type"].as_str(), g["decode"]["policy"]["type"].as_str()),
             (Some("round_robin"), Some("power_of_two"))
         );
     }
@@ -441,19 +383,13 @@ mod tests {
     fn health_timeouts_and_breaker_knobs_keep_their_meaning() {
         let c = ok("--worker-urls http://a:1 --policy random --health-failure-threshold 4 --health-check-interval-secs 5 --health-check-endpoint /healthz --request-timeout-secs 600 --cb-failure-threshold 7 --cb-timeout-duration-secs 30");
         assert_eq!(
-            (
-                c["health"]["failure_threshold"].as_u64(),
-                c["health"]["interval_ms"].as_u64()
-            ),
+            (c["health"]["failure_threshold"].as_u64(), c["health"]["interval_ms"].as_u64()),
             (Some(4), Some(5000))
         );
         assert_eq!(c["health"]["path"], "/healthz");
         assert_eq!(c["timeouts"]["request_ms"], 600_000);
         assert_eq!(
-            (
-                c["circuit_breaker"]["failure_threshold"].as_u64(),
-                c["circuit_breaker"]["cooldown_ms"].as_u64()
-            ),
+            (c["circuit_breaker"]["failure_threshold"].as_u64(), c["circuit_breaker"]["cooldown_ms"].as_u64()),
             (Some(7), Some(30_000))
         );
         let c = ok("--worker-urls http://a:1 --policy random --disable-circuit-breaker");
@@ -464,38 +400,23 @@ mod tests {
     fn dropped_options_are_refused_by_name() {
         refused("--worker-urls http://a:1 --policy fused_score", "--policy");
         refused("--worker-urls http://a:1 --policy score_policy", "--policy");
-        refused("--pd-disaggregation --prefill http://p:1 --decode http://d:1 --decode-policy legacy_host_affinity", "--decode-policy");
+        refused(
+            "--pd-disaggregation --prefill http://p:1 --decode http://d:1 --decode-policy legacy_host_affinity",
+            "--decode-policy",
+        );
         refused("--worker-urls http://a:1 --stable-pair", "--stable-pair");
-        refused(
-            "--worker-urls http://a:1 --affinity-mode soft",
-            "--affinity-mode",
-        );
+        refused("--worker-urls http://a:1 --affinity-mode soft", "--affinity-mode");
         refused("--worker-urls http://a:1 --filter prefix_cache", "--filter");
-        refused(
-            "--worker-urls http://a:1 --prefix-cache-min-share 0.5",
-            "--prefix-cache-min-share",
-        );
-        refused(
-            "--worker-urls http://a:1 --fuse-weights 1,2",
-            "--fuse-weights",
-        );
+        refused("--worker-urls http://a:1 --prefix-cache-min-share 0.5", "--prefix-cache-min-share");
+        refused("--worker-urls http://a:1 --fuse-weights 1,2", "--fuse-weights");
     }
 
     #[test]
     fn slo_session_and_unknown_options_are_refused_by_name() {
-        refused(
-            "--worker-urls http://a:1 --slo-ttft-ms 200",
-            "--slo-ttft-ms",
-        );
-        refused(
-            "--worker-urls http://a:1 --session-mode global",
-            "--session-mode",
-        );
+        refused("--worker-urls http://a:1 --slo-ttft-ms 200", "--slo-ttft-ms");
+        refused("--worker-urls http://a:1 --session-mode global", "--session-mode");
         refused("--worker-urls http://a:1 --frobnicate", "--frobnicate");
-        refused(
-            "--worker-urls http://a:1 --balance-abs-threshold 32",
-            "--balance-abs-threshold",
-        );
+        refused("--worker-urls http://a:1 --balance-abs-threshold 32", "--balance-abs-threshold");
         refused("--worker-urls http://a:1 --policy manual", "--policy");
     }
 
@@ -504,26 +425,15 @@ mod tests {
         let c = valid("--worker-urls http://a:1 --cache-threshold 0.5 --max-tree-size 4096");
         let p = &c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"];
         assert_eq!(
-            (
-                p["type"].as_str(),
-                p["min_hit_ratio"].as_f64(),
-                p["max_tree_tokens"].as_u64()
-            ),
+            (p["type"].as_str(), p["min_hit_ratio"].as_f64(), p["max_tree_tokens"].as_u64()),
             (Some("cache_aware"), Some(0.5), Some(1024))
         );
-        refused(
-            "--pd-disaggregation --prefill http://p:1 --decode http://d:1",
-            "--policy cache_aware",
-        );
+        refused("--pd-disaggregation --prefill http://p:1 --decode http://d:1", "--policy cache_aware");
     }
 
     #[test]
     fn host_and_port_become_notes() {
-        let t = translate(
-            "m",
-            &args("--worker-urls http://a:1 --policy random --host 0.0.0.0 --port 8000"),
-        )
-        .unwrap();
+        let t = translate("m", &args("--worker-urls http://a:1 --policy random --host 0.0.0.0 --port 8000")).unwrap();
         assert_eq!(t.notes.len(), 2);
     }
 }

@@ -37,11 +37,9 @@ fn prompt_tokens(body: &Value) -> u64 {
                 .iter()
                 .map(|m| match m.get("content") {
                     Some(Value::String(s)) => s.len() as u64,
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .filter_map(|p| p.get("text").and_then(Value::as_str))
-                        .map(|t| t.len() as u64)
-                        .sum(),
+                    Some(Value::Array(parts)) => {
+                        parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).map(|t| t.len() as u64).sum()
+                    }
                     _ => 0,
                 })
                 .sum()
@@ -59,13 +57,7 @@ pub async fn chat_completions(
     let received_ms = Engine::now_unix_ms();
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "BadRequestError",
-                format!("invalid JSON body: {e}"),
-            )
-        }
+        Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("invalid JSON body: {e}")),
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let rooms = pd::rooms_of(&body);
@@ -90,13 +82,7 @@ pub async fn chat_completions(
     response
 }
 
-async fn serve(
-    engine: &Arc<Engine>,
-    body: Value,
-    stream: bool,
-    rooms: Vec<u64>,
-    received_ms: u64,
-) -> Response {
+async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>, received_ms: u64) -> Response {
     let fault = engine.control().chat.clone();
     if let Some(r) = control::apply(fault, "chat").await {
         return r;
@@ -117,27 +103,15 @@ async fn serve(
             );
         };
         if let Err(message) = pd::await_prefill(engine, &targets).await {
-            return error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "InternalServerError",
-                message,
-            );
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", message);
         }
     }
     let prompt = prompt_tokens(&body);
     let Some(mut slot) = engine.admit(prompt).await else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailable",
-            "engine is shutting down",
-        );
+        return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
     let delay = engine.token_delay();
-    let choices = body
-        .get("n")
-        .and_then(Value::as_u64)
-        .unwrap_or(1)
-        .clamp(1, 128);
+    let choices = body.get("n").and_then(Value::as_u64).unwrap_or(1).clamp(1, 128);
     let budget = body
         .get("max_completion_tokens")
         .and_then(Value::as_u64)
@@ -146,13 +120,10 @@ async fn serve(
     // Prefill: one step over the prompt, then the rooms are ready for their decode engines.
     let prefill_started = Instant::now();
     tokio::time::sleep(delay).await;
+    engine.prefill_tokens_total.fetch_add(prompt, Ordering::SeqCst);
     engine
-        .prefill_tokens_total
-        .fetch_add(prompt, Ordering::SeqCst);
-    engine.prefill_busy_us_total.fetch_add(
-        u64::try_from(prefill_started.elapsed().as_micros()).unwrap_or(u64::MAX),
-        Ordering::SeqCst,
-    );
+        .prefill_busy_us_total
+        .fetch_add(u64::try_from(prefill_started.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::SeqCst);
     let tokens = if engine.role == Role::Prefill {
         for room in &rooms {
             engine.rooms.finish(*room);
@@ -163,31 +134,14 @@ async fn serve(
         }
         1
     } else {
-        budget
-            .unwrap_or(engine.args.default_output_tokens)
-            .min(MAX_GENERATED)
+        budget.unwrap_or(engine.args.default_output_tokens).min(MAX_GENERATED)
     };
-    let finish_reason = if budget.is_some_and(|b| b <= tokens) {
-        "length"
-    } else {
-        "stop"
-    };
-    let include_usage = body
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let finish_reason = if budget.is_some_and(|b| b <= tokens) { "length" } else { "stop" };
+    let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
     let meta = Meta {
-        id: format!(
-            "chatcmpl-sim-{}-{}",
-            engine.id,
-            NEXT_ID.fetch_add(1, Ordering::Relaxed)
-        ),
+        id: format!("chatcmpl-sim-{}-{}", engine.id, NEXT_ID.fetch_add(1, Ordering::Relaxed)),
         created: Engine::now_unix_ms() / 1000,
-        model: body
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or(&engine.model)
-            .to_string(),
+        model: body.get("model").and_then(Value::as_str).unwrap_or(&engine.model).to_string(),
         engine: engine.id.clone(),
     };
     engine.served.fetch_add(1, Ordering::SeqCst);
@@ -245,13 +199,7 @@ async fn serve(
         drop(slot);
         engine_for_stream.finish_record(received_ms, 200);
     };
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(events),
-    )
+    ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(events))
         .into_response()
 }
 

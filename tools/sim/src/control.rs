@@ -95,10 +95,7 @@ pub async fn update(State(engine): State<Arc<Engine>>, body: axum::body::Bytes) 
     let update: ControlUpdate = match serde_json::from_slice(&body) {
         Ok(u) => u,
         Err(e) => {
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(json!({"error": format!("bad control update: {e}")})),
-            )
+            return (StatusCode::BAD_REQUEST, Json(json!({"error": format!("bad control update: {e}")})))
                 .into_response()
         }
     };
@@ -128,11 +125,7 @@ pub async fn update(State(engine): State<Arc<Engine>>, body: axum::body::Bytes) 
 }
 
 pub async fn state(State(engine): State<Arc<Engine>>) -> Response {
-    let recent = engine
-        .recent
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
+    let recent = engine.recent.lock().unwrap_or_else(|p| p.into_inner()).clone();
     Json(json!({
         "id": engine.id,
         "model": engine.model,

@@ -153,21 +153,13 @@ impl Engine {
     /// the request ends (completed, failed, or dropped when the client goes away).
     pub async fn admit(self: &Arc<Self>, prompt_tokens: u64) -> Option<RunningGuard> {
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        self.waiting_prompt_tokens
-            .fetch_add(prompt_tokens, Ordering::SeqCst);
-        let waiting = WaitingGuard {
-            engine: Arc::clone(self),
-            prompt_tokens,
-        };
+        self.waiting_prompt_tokens.fetch_add(prompt_tokens, Ordering::SeqCst);
+        let waiting = WaitingGuard { engine: Arc::clone(self), prompt_tokens };
         let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
         drop(waiting);
         self.running.fetch_add(1, Ordering::SeqCst);
         self.kv_used.fetch_add(prompt_tokens, Ordering::SeqCst);
-        Some(RunningGuard {
-            engine: Arc::clone(self),
-            _permit: permit,
-            kv_tokens: prompt_tokens,
-        })
+        Some(RunningGuard { engine: Arc::clone(self), _permit: permit, kv_tokens: prompt_tokens })
     }
 
     pub fn record(&self, record: RequestRecord) -> usize {
@@ -182,11 +174,7 @@ impl Engine {
     /// Marks the newest record matching `received_ms` and path as finished.
     pub fn finish_record(&self, received_ms: u64, status: u16) {
         let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = recent
-            .iter_mut()
-            .rev()
-            .find(|r| r.received_ms == received_ms && r.finished_ms.is_none())
-        {
+        if let Some(r) = recent.iter_mut().rev().find(|r| r.received_ms == received_ms && r.finished_ms.is_none()) {
             r.finished_ms = Some(Self::now_unix_ms());
             r.status = status;
         }
@@ -205,9 +193,7 @@ struct WaitingGuard {
 impl Drop for WaitingGuard {
     fn drop(&mut self) {
         self.engine.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.engine
-            .waiting_prompt_tokens
-            .fetch_sub(self.prompt_tokens, Ordering::SeqCst);
+        self.engine.waiting_prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::SeqCst);
     }
 }
 
@@ -228,8 +214,6 @@ impl RunningGuard {
 impl Drop for RunningGuard {
     fn drop(&mut self) {
         self.engine.running.fetch_sub(1, Ordering::SeqCst);
-        self.engine
-            .kv_used
-            .fetch_sub(self.kv_tokens, Ordering::SeqCst);
+        self.engine.kv_used.fetch_sub(self.kv_tokens, Ordering::SeqCst);
     }
 }

@@ -23,15 +23,9 @@ struct Snapshot {
 fn snapshot(engine: &Engine) -> Snapshot {
     let pinned = engine.control().pinned.clone().unwrap_or_default();
     Snapshot {
-        running: pinned
-            .running
-            .unwrap_or_else(|| engine.running.load(Ordering::SeqCst)),
-        waiting: pinned
-            .waiting
-            .unwrap_or_else(|| engine.waiting.load(Ordering::SeqCst)),
-        kv_used: pinned
-            .kv_tokens
-            .unwrap_or_else(|| engine.kv_used.load(Ordering::SeqCst)),
+        running: pinned.running.unwrap_or_else(|| engine.running.load(Ordering::SeqCst)),
+        waiting: pinned.waiting.unwrap_or_else(|| engine.waiting.load(Ordering::SeqCst)),
+        kv_used: pinned.kv_tokens.unwrap_or_else(|| engine.kv_used.load(Ordering::SeqCst)),
         waiting_uncached: pinned
             .waiting_uncached_tokens
             .unwrap_or_else(|| engine.waiting_prompt_tokens.load(Ordering::SeqCst)),
@@ -108,18 +102,9 @@ pub async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
         ("sglang:num_used_tokens", "gauge", s.kv_used.to_string()),
         ("sglang:max_total_num_tokens", "gauge", capacity.to_string()),
         ("sglang:token_usage", "gauge", format!("{usage:.6}")),
-        (
-            "sglang:prompt_tokens_total",
-            "counter",
-            engine
-                .prefill_tokens_total
-                .load(Ordering::SeqCst)
-                .to_string(),
-        ),
+        ("sglang:prompt_tokens_total", "counter", engine.prefill_tokens_total.load(Ordering::SeqCst).to_string()),
     ] {
-        text.push_str(&format!(
-            "# HELP {name} simulated\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}\n"
-        ));
+        text.push_str(&format!("# HELP {name} simulated\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}\n"));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

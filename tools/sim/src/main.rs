@@ -23,8 +23,7 @@ use crate::engine::{Args, Engine};
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
     let engine = Arc::new(Engine::new(&args));
-    let engine_id =
-        HeaderValue::from_str(&args.id).unwrap_or(HeaderValue::from_static("invalid-id"));
+    let engine_id = HeaderValue::from_str(&args.id).unwrap_or(HeaderValue::from_static("invalid-id"));
 
     let app = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
@@ -39,23 +38,18 @@ async fn main() -> std::io::Result<()> {
         .route("/model_info", get(info::model_info))
         .route("/get_model_info", get(info::model_info))
         .route("/v1/models", get(info::models))
-        .route(
-            "/flush_cache",
-            post(info::flush_cache).get(info::flush_cache),
-        )
+        .route("/flush_cache", post(info::flush_cache).get(info::flush_cache))
         .route("/sim/control", post(control::update))
         .route("/sim/state", get(control::state))
         // SGLang accepts large prompts; the router's own 32 MiB limit is what a test exercises.
         .layer(axum::extract::DefaultBodyLimit::max(64 * 1024 * 1024))
-        .layer(axum::middleware::map_response(
-            move |mut response: axum::response::Response| {
-                let id = engine_id.clone();
-                async move {
-                    response.headers_mut().insert("x-sim-engine", id);
-                    response
-                }
-            },
-        ))
+        .layer(axum::middleware::map_response(move |mut response: axum::response::Response| {
+            let id = engine_id.clone();
+            async move {
+                response.headers_mut().insert("x-sim-engine", id);
+                response
+            }
+        }))
         .with_state(Arc::clone(&engine));
 
     if let Some(port) = engine.bootstrap_port() {
@@ -72,12 +66,7 @@ async fn main() -> std::io::Result<()> {
 
     let addr = SocketAddr::new(args.host, args.port);
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    eprintln!(
-        "sgl-sim {} ({}, model {}) listening on {addr}",
-        args.id,
-        args.role.as_str(),
-        args.model
-    );
+    eprintln!("sgl-sim {} ({}, model {}) listening on {addr}", args.id, args.role.as_str(), args.model);
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

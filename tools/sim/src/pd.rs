@@ -44,19 +44,11 @@ impl Rooms {
     }
 
     fn is_finished(&self, room: u64) -> bool {
-        self.finished
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .0
-            .contains_key(&room)
+        self.finished.lock().unwrap_or_else(|p| p.into_inner()).0.contains_key(&room)
     }
 
     pub fn finished_count(&self) -> usize {
-        self.finished
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .0
-            .len()
+        self.finished.lock().unwrap_or_else(|p| p.into_inner()).0.len()
     }
 
     async fn wait(&self, room: u64, timeout: Duration) -> bool {
@@ -81,24 +73,15 @@ struct WaitQuery {
 }
 
 pub fn bootstrap_router(engine: Arc<Engine>) -> Router {
-    Router::new()
-        .route("/sim/bootstrap/{room}", get(wait_room))
-        .with_state(engine)
+    Router::new().route("/sim/bootstrap/{room}", get(wait_room)).with_state(engine)
 }
 
-async fn wait_room(
-    State(engine): State<Arc<Engine>>,
-    Path(room): Path<u64>,
-    Query(q): Query<WaitQuery>,
-) -> Response {
+async fn wait_room(State(engine): State<Arc<Engine>>, Path(room): Path<u64>, Query(q): Query<WaitQuery>) -> Response {
     let timeout = Duration::from_millis(q.timeout_ms.unwrap_or(30_000));
     if engine.rooms.wait(room, timeout).await {
         Json(json!({"room": room, "prefill_engine": engine.id})).into_response()
     } else {
-        (
-            StatusCode::REQUEST_TIMEOUT,
-            Json(json!({"error": format!("room {room} was not prefilled on {}", engine.id)})),
-        )
+        (StatusCode::REQUEST_TIMEOUT, Json(json!({"error": format!("room {room} was not prefilled on {}", engine.id)})))
             .into_response()
     }
 }
@@ -107,9 +90,7 @@ async fn wait_room(
 pub fn rooms_of(body: &serde_json::Value) -> Vec<u64> {
     match body.get("bootstrap_room") {
         Some(serde_json::Value::Number(n)) => n.as_u64().into_iter().collect(),
-        Some(serde_json::Value::Array(a)) => {
-            a.iter().filter_map(serde_json::Value::as_u64).collect()
-        }
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(serde_json::Value::as_u64).collect(),
         _ => Vec::new(),
     }
 }
@@ -137,19 +118,12 @@ pub fn targets_of(body: &serde_json::Value, rooms: &[u64]) -> Option<Vec<(String
 pub async fn await_prefill(engine: &Engine, targets: &[(String, u64, u64)]) -> Result<(), String> {
     let timeout_ms = engine.args.bootstrap_timeout_ms;
     for (host, port, room) in targets {
-        let host_part = if host.contains(':') {
-            format!("[{host}]")
-        } else {
-            host.to_string()
-        };
+        let host_part = if host.contains(':') { format!("[{host}]") } else { host.to_string() };
         let url = format!("http://{host_part}:{port}/sim/bootstrap/{room}?timeout_ms={timeout_ms}");
-        let response = engine
-            .client
-            .get(&url)
-            .timeout(Duration::from_millis(timeout_ms + 2_000))
-            .send()
-            .await
-            .map_err(|e| format!("KV transfer failed: bootstrap server {host}:{port} unreachable for room {room}: {e}"))?;
+        let response =
+            engine.client.get(&url).timeout(Duration::from_millis(timeout_ms + 2_000)).send().await.map_err(|e| {
+                format!("KV transfer failed: bootstrap server {host}:{port} unreachable for room {room}: {e}")
+            })?;
         if !response.status().is_success() {
             return Err(format!(
                 "KV transfer failed: room {room} was not prefilled by {host}:{port} within {timeout_ms} ms"

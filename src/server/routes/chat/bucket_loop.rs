@@ -47,21 +47,24 @@ impl SelectionFailure {
             SelectionFailure::NoMatchingBucket { input_tokens, expected_peak_tokens } => RouteError::new(
                 ErrorKind::NoMatchingBucket,
                 match expected_peak_tokens {
-                    Some(peak) => format!("no bucket fits {input_tokens} input tokens with an expected peak of {peak} tokens"),
+                    Some(peak) => {
+                        format!("no bucket fits {input_tokens} input tokens with an expected peak of {peak} tokens")
+                    }
                     None => format!("no bucket fits {input_tokens} input tokens"),
                 },
             ),
             SelectionFailure::Exhausted(skipped) => {
-                let rejections: Vec<String> = skipped
-                    .iter()
-                    .flat_map(|s| rejections_of(&s.error).iter().map(move |r| describe(s, r)))
-                    .collect();
+                let rejections: Vec<String> =
+                    skipped.iter().flat_map(|s| rejections_of(&s.error).iter().map(move |r| describe(s, r))).collect();
                 if rejections.is_empty() {
                     let last = skipped.last();
                     let detail = last
                         .map(|s| format!("bucket `{}`, stage {}: {}", s.bucket_id, s.stage.as_str(), s.error))
                         .unwrap_or_else(|| "no bucket was tried".to_string());
-                    RouteError::new(ErrorKind::NoCandidates, format!("no engine available; last unavailable stage: {detail}"))
+                    RouteError::new(
+                        ErrorKind::NoCandidates,
+                        format!("no engine available; last unavailable stage: {detail}"),
+                    )
                 } else {
                     RouteError::new(
                         ErrorKind::AdmissionRejected,
@@ -91,13 +94,7 @@ fn rejections_of(error: &PickError) -> &[Rejection] {
 
 /// `bucket/stage/worker: limit`, as spec §4 lists rejections.
 fn describe(s: &SkippedBucket, r: &Rejection) -> String {
-    format!(
-        "{}/{}/{}: {}",
-        s.bucket_id,
-        s.stage.as_str(),
-        r.worker,
-        r.limit.as_str()
-    )
+    format!("{}/{}/{}: {}", s.bucket_id, s.stage.as_str(), r.worker, r.limit.as_str())
 }
 
 /// Owns everything it needs, so a pending selection can be kept across host callbacks.
@@ -119,28 +116,17 @@ pub fn select(
         let mut skipped = Vec::new();
         for bucket in buckets {
             match bucket.pick_engines(&live, &request).await {
-                Ok(pick) => {
-                    return Ok(Selection {
-                        bucket_id: bucket.id.clone(),
-                        pick,
-                        skipped,
-                    })
-                }
+                Ok(pick) => return Ok(Selection { bucket_id: bucket.id.clone(), pick, skipped }),
                 Err(failure) => {
-                    let attempt = SkippedBucket {
-                        bucket_id: bucket.id.clone(),
-                        stage: failure.stage,
-                        error: failure.error,
-                    };
+                    let attempt =
+                        SkippedBucket { bucket_id: bucket.id.clone(), stage: failure.stage, error: failure.error };
                     match attempt.error {
                         PickError::NoCandidates { .. }
                         | PickError::AdmissionRejected(_)
                         | PickError::NoAdmissibleEngine { .. } => skipped.push(attempt),
                         PickError::InvalidSignal(_)
                         | PickError::InvalidConfiguration(_)
-                        | PickError::OutsideCandidates { .. } => {
-                            return Err(SelectionFailure::Stopped(attempt))
-                        }
+                        | PickError::OutsideCandidates { .. } => return Err(SelectionFailure::Stopped(attempt)),
                     }
                 }
             }

@@ -21,12 +21,7 @@ fn plain_bucket(id: &str, capacity: u64, policy: Arc<Scripted>) -> Bucket {
     }
 }
 
-fn pd_bucket(
-    id: &str,
-    capacity: u64,
-    prefill: (&str, Arc<Scripted>),
-    decode: (&str, Arc<Scripted>),
-) -> Bucket {
+fn pd_bucket(id: &str, capacity: u64, prefill: (&str, Arc<Scripted>), decode: (&str, Arc<Scripted>)) -> Bucket {
     Bucket {
         id: id.to_string(),
         rank: 0,
@@ -51,36 +46,21 @@ fn plain_live() -> LiveWorkers {
 }
 
 fn request(input: u64, peak: Option<u64>) -> BucketRequest {
-    BucketRequest {
-        model: "m".into(),
-        input_tokens: input,
-        expected_peak_tokens: peak,
-        ..BucketRequest::default()
-    }
+    BucketRequest { model: "m".into(), input_tokens: input, expected_peak_tokens: peak, ..BucketRequest::default() }
 }
 
-fn run(
-    buckets: Vec<Bucket>,
-    live: LiveWorkers,
-    req: BucketRequest,
-) -> Result<Selection, SelectionFailure> {
+fn run(buckets: Vec<Bucket>, live: LiveWorkers, req: BucketRequest) -> Result<Selection, SelectionFailure> {
     now(select(Arc::new(BucketResolver::new(buckets)), live, req))
 }
 
 fn rejected(worker: &str, limit: Limit) -> PickError {
-    PickError::AdmissionRejected(Rejection {
-        worker: worker.into(),
-        limit,
-    })
+    PickError::AdmissionRejected(Rejection { worker: worker.into(), limit })
 }
 
 #[test]
 fn the_first_bucket_that_supplies_a_selection_wins() {
     let s = run(
-        vec![
-            plain_bucket("small", 100, Scripted::first()),
-            plain_bucket("big", 1000, Scripted::first()),
-        ],
+        vec![plain_bucket("small", 100, Scripted::first()), plain_bucket("big", 1000, Scripted::first())],
         plain_live(),
         request(10, None),
     )
@@ -93,11 +73,7 @@ fn the_first_bucket_that_supplies_a_selection_wins() {
 fn no_candidates_advances_to_the_next_bucket() {
     let s = run(
         vec![
-            plain_bucket(
-                "small",
-                100,
-                Scripted::failing(PickError::no_candidates("x")),
-            ),
+            plain_bucket("small", 100, Scripted::failing(PickError::no_candidates("x"))),
             plain_bucket("big", 1000, Scripted::first()),
         ],
         plain_live(),
@@ -110,15 +86,9 @@ fn no_candidates_advances_to_the_next_bucket() {
 
 #[test]
 fn admission_rejected_and_no_admissible_engine_both_advance() {
-    for error in [
-        rejected("A", Limit::MaxRunningRequests),
-        PickError::NoAdmissibleEngine { rejections: vec![] },
-    ] {
+    for error in [rejected("A", Limit::MaxRunningRequests), PickError::NoAdmissibleEngine { rejections: vec![] }] {
         let s = run(
-            vec![
-                plain_bucket("small", 100, Scripted::failing(error)),
-                plain_bucket("big", 1000, Scripted::first()),
-            ],
+            vec![plain_bucket("small", 100, Scripted::failing(error)), plain_bucket("big", 1000, Scripted::first())],
             plain_live(),
             request(10, None),
         )
@@ -130,25 +100,13 @@ fn admission_rejected_and_no_admissible_engine_both_advance() {
 #[test]
 fn invalid_signal_configuration_and_foreign_picks_stop_the_pass() {
     for (error, kind) in [
-        (
-            PickError::InvalidSignal("bad".into()),
-            ErrorKind::InvalidSignal,
-        ),
-        (
-            PickError::InvalidConfiguration("bad".into()),
-            ErrorKind::InvalidConfiguration,
-        ),
-        (
-            PickError::OutsideCandidates { worker: "Z".into() },
-            ErrorKind::OutsideCandidates,
-        ),
+        (PickError::InvalidSignal("bad".into()), ErrorKind::InvalidSignal),
+        (PickError::InvalidConfiguration("bad".into()), ErrorKind::InvalidConfiguration),
+        (PickError::OutsideCandidates { worker: "Z".into() }, ErrorKind::OutsideCandidates),
     ] {
         let later = Scripted::first();
         let failure = run(
-            vec![
-                plain_bucket("small", 100, Scripted::failing(error)),
-                plain_bucket("big", 1000, later.clone()),
-            ],
+            vec![plain_bucket("small", 100, Scripted::failing(error)), plain_bucket("big", 1000, later.clone())],
             plain_live(),
             request(10, None),
         )
@@ -156,10 +114,7 @@ fn invalid_signal_configuration_and_foreign_picks_stop_the_pass() {
         assert!(matches!(failure, SelectionFailure::Stopped(_)));
         assert_eq!(failure.to_route_error().kind, kind);
         assert_eq!(failure.to_route_error().status(), 500);
-        assert!(
-            later.offered.lock().unwrap().is_empty(),
-            "no later bucket is tried"
-        );
+        assert!(later.offered.lock().unwrap().is_empty(), "no later bucket is tried");
     }
 }
 
@@ -167,29 +122,15 @@ fn invalid_signal_configuration_and_foreign_picks_stop_the_pass() {
 fn exhaustion_with_rejections_is_a_503_listing_every_rejection() {
     let failure = run(
         vec![
-            plain_bucket(
-                "small",
-                100,
-                Scripted::failing(rejected("A", Limit::MaxRunningRequests)),
-            ),
-            plain_bucket(
-                "mid",
-                500,
-                Scripted::failing(PickError::no_candidates("none")),
-            ),
+            plain_bucket("small", 100, Scripted::failing(rejected("A", Limit::MaxRunningRequests))),
+            plain_bucket("mid", 500, Scripted::failing(PickError::no_candidates("none"))),
             plain_bucket(
                 "big",
                 1000,
                 Scripted::failing(PickError::NoAdmissibleEngine {
                     rejections: vec![
-                        Rejection {
-                            worker: "A".into(),
-                            limit: Limit::MaxKvTokens,
-                        },
-                        Rejection {
-                            worker: "B".into(),
-                            limit: Limit::MaxInflightRequests,
-                        },
+                        Rejection { worker: "A".into(), limit: Limit::MaxKvTokens },
+                        Rejection { worker: "B".into(), limit: Limit::MaxInflightRequests },
                     ],
                 }),
             ),
@@ -200,16 +141,10 @@ fn exhaustion_with_rejections_is_a_503_listing_every_rejection() {
     .unwrap_err();
     let e = failure.to_route_error();
     assert_eq!((e.status(), e.kind), (503, ErrorKind::AdmissionRejected));
-    for item in [
-        "small/plain/A: max_running_requests",
-        "big/plain/A: max_kv_tokens",
-        "big/plain/B: max_inflight_requests",
-    ] {
-        assert!(
-            e.message.contains(item),
-            "{item} missing from: {}",
-            e.message
-        );
+    for item in
+        ["small/plain/A: max_running_requests", "big/plain/A: max_kv_tokens", "big/plain/B: max_inflight_requests"]
+    {
+        assert!(e.message.contains(item), "{item} missing from: {}", e.message);
     }
 }
 
@@ -220,47 +155,29 @@ fn exhaustion_without_rejections_is_a_503_naming_the_last_unavailable_stage() {
             "only",
             100,
             ("P1", Scripted::first()),
-            (
-                "D1",
-                Scripted::failing(PickError::no_candidates("no decode")),
-            ),
+            ("D1", Scripted::failing(PickError::no_candidates("no decode"))),
         )],
-        live(vec![
-            worker_with("P1", Role::Prefill, "m"),
-            worker_with("D1", Role::Decode, "m"),
-        ]),
+        live(vec![worker_with("P1", Role::Prefill, "m"), worker_with("D1", Role::Decode, "m")]),
         request(10, None),
     )
     .unwrap_err();
     let e = failure.to_route_error();
     assert_eq!((e.status(), e.kind), (503, ErrorKind::NoCandidates));
-    assert!(
-        e.message.contains("bucket `only`, stage decode"),
-        "{}",
-        e.message
-    );
+    assert!(e.message.contains("bucket `only`, stage decode"), "{}", e.message);
 }
 
 #[test]
 fn no_compatible_bucket_is_a_400_no_matching_bucket() {
-    let failure = run(
-        vec![plain_bucket("small", 100, Scripted::first())],
-        plain_live(),
-        request(500, None),
-    )
-    .unwrap_err();
+    let failure =
+        run(vec![plain_bucket("small", 100, Scripted::first())], plain_live(), request(500, None)).unwrap_err();
     let e = failure.to_route_error();
     assert_eq!((e.status(), e.kind), (400, ErrorKind::NoMatchingBucket));
 }
 
 #[test]
 fn a_peak_below_the_input_reaching_the_resolver_is_a_500_invalid_signal() {
-    let failure = run(
-        vec![plain_bucket("small", 100, Scripted::first())],
-        plain_live(),
-        request(50, Some(10)),
-    )
-    .unwrap_err();
+    let failure =
+        run(vec![plain_bucket("small", 100, Scripted::first())], plain_live(), request(50, Some(10))).unwrap_err();
     let e = failure.to_route_error();
     assert_eq!((e.status(), e.kind), (500, ErrorKind::InvalidSignal));
 }
@@ -275,38 +192,20 @@ fn a_pd_selection_takes_both_engines_from_one_bucket() {
                 ("P1", Scripted::first()),
                 ("D1", Scripted::failing(rejected("D1", Limit::MaxKvTokens))),
             ),
-            pd_bucket(
-                "long",
-                1000,
-                ("P2", Scripted::first()),
-                ("D2", Scripted::first()),
-            ),
+            pd_bucket("long", 1000, ("P2", Scripted::first()), ("D2", Scripted::first())),
         ],
         live(
             ["P1", "P2"]
                 .iter()
                 .map(|id| worker_with(id, Role::Prefill, "m"))
-                .chain(
-                    ["D1", "D2"]
-                        .iter()
-                        .map(|id| worker_with(id, Role::Decode, "m")),
-                )
+                .chain(["D1", "D2"].iter().map(|id| worker_with(id, Role::Decode, "m")))
                 .collect(),
         ),
         request(10, None),
     )
     .unwrap();
-    let BucketPick::Pd { prefill, decode } = s.pick else {
-        panic!("not PD")
-    };
-    assert_eq!(
-        (
-            s.bucket_id.as_str(),
-            prefill.worker.id.as_str(),
-            decode.worker.id.as_str()
-        ),
-        ("long", "P2", "D2")
-    );
+    let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
+    assert_eq!((s.bucket_id.as_str(), prefill.worker.id.as_str(), decode.worker.id.as_str()), ("long", "P2", "D2"));
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -317,11 +216,7 @@ enum Outcome {
 }
 
 fn outcome() -> impl Strategy<Value = Outcome> {
-    prop_oneof![
-        Just(Outcome::Ok),
-        Just(Outcome::Missing),
-        Just(Outcome::Rejected)
-    ]
+    prop_oneof![Just(Outcome::Ok), Just(Outcome::Missing), Just(Outcome::Rejected)]
 }
 
 fn scripted(outcome: Outcome, worker: &str) -> Arc<Scripted> {
@@ -380,19 +275,12 @@ impl crate::policies::Policy for AskRemote {
                 body: None,
                 timeout_ms: 100,
             };
-            let answer = self
-                .0
-                .dispatch(request)
-                .map_err(|e| PickError::InvalidSignal(e.to_string()))?
-                .await;
+            let answer = self.0.dispatch(request).map_err(|e| PickError::InvalidSignal(e.to_string()))?.await;
             let id = String::from_utf8_lossy(&answer.body).to_string();
             engines
                 .iter()
                 .find(|w| w.id == id)
-                .map(|w| crate::policies::Pick {
-                    worker: Arc::clone(w),
-                    reason: crate::policies::PickReason::Rotation,
-                })
+                .map(|w| crate::policies::Pick { worker: Arc::clone(w), reason: crate::policies::PickReason::Rotation })
                 .ok_or_else(|| PickError::no_candidates("remote named no candidate"))
         })
     }
@@ -408,47 +296,18 @@ fn a_selection_waits_for_a_policys_callout_and_finishes_when_it_answers() {
         min_input: 0,
         max_input: None,
         max_context: None,
-        groups: BucketGroups::Plain(EngineGroup::new(
-            Role::Plain,
-            Arc::new(AskRemote(Arc::clone(&callouts))),
-        )),
+        groups: BucketGroups::Plain(EngineGroup::new(Role::Plain, Arc::new(AskRemote(Arc::clone(&callouts))))),
     };
-    let live = live(vec![
-        worker_with("A", Role::Plain, "m"),
-        worker_with("B", Role::Plain, "m"),
-    ]);
-    let mut future = select(
-        Arc::new(BucketResolver::new(vec![bucket])),
-        live,
-        request(10, None),
-    );
+    let live = live(vec![worker_with("A", Role::Plain, "m"), worker_with("B", Role::Plain, "m")]);
+    let mut future = select(Arc::new(BucketResolver::new(vec![bucket])), live, request(10, None));
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    assert!(
-        future.as_mut().poll(&mut cx).is_pending(),
-        "waiting on the callout"
-    );
-    assert_eq!(
-        callouts.sent.lock().unwrap().len(),
-        1,
-        "exactly one callout"
-    );
-    assert!(
-        future.as_mut().poll(&mut cx).is_pending(),
-        "still waiting; no second callout"
-    );
+    assert!(future.as_mut().poll(&mut cx).is_pending(), "waiting on the callout");
+    assert_eq!(callouts.sent.lock().unwrap().len(), 1, "exactly one callout");
+    assert!(future.as_mut().poll(&mut cx).is_pending(), "still waiting; no second callout");
     assert_eq!(callouts.sent.lock().unwrap().len(), 1);
-    callouts.board().complete(
-        1,
-        CalloutResponse {
-            status: Some(200),
-            body: b"B".to_vec(),
-        },
-    );
+    callouts.board().complete(1, CalloutResponse { status: Some(200), body: b"B".to_vec() });
     match future.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(Ok(Selection {
-            pick: BucketPick::Plain(p),
-            ..
-        })) => assert_eq!(p.worker.id, "B"),
+        std::task::Poll::Ready(Ok(Selection { pick: BucketPick::Plain(p), .. })) => assert_eq!(p.worker.id, "B"),
         other => panic!("expected a selection, got {other:?}"),
     }
 }

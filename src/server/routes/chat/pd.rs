@@ -61,9 +61,7 @@ mod tests {
     #[test]
     fn bootstrap_fields_name_the_prefill_engine_and_overwrite_the_clients() {
         let p = worker_with("P1", Role::Prefill, "m");
-        let body = parsed(
-            json!({"model": "m", "messages": [], "bootstrap_room": 5, "bootstrap_host": "evil"}),
-        );
+        let body = parsed(json!({"model": "m", "messages": [], "bootstrap_room": 5, "bootstrap_host": "evil"}));
         let (bytes, rooms) = bootstrap_body(body, &p, 1, &SeededRandom::new(3));
         let v: Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["bootstrap_host"], "127.0.0.1");

@@ -25,10 +25,7 @@ pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<ChatFacts, RouteErro
 
 /// [`prepare`], also handing back the parsed body so a PD dispatch can rewrite it without
 /// parsing it again.
-pub fn prepare_with_body(
-    body: &[u8],
-    bytes_per_token: u64,
-) -> Result<(ChatFacts, Map<String, Value>), RouteError> {
+pub fn prepare_with_body(body: &[u8], bytes_per_token: u64) -> Result<(ChatFacts, Map<String, Value>), RouteError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| RouteError::invalid(format!("request body is not valid JSON: {e}")))?;
     let Value::Object(obj) = value else {
@@ -59,15 +56,9 @@ pub fn prepare_with_body(
         None => optional_integer(&obj, "max_tokens")?,
     };
     let output_budget = output_budget
-        .map(|b| {
-            u64::try_from(b)
-                .map_err(|_| RouteError::invalid("the output budget must be at least 0"))
-        })
+        .map(|b| u64::try_from(b).map_err(|_| RouteError::invalid("the output budget must be at least 0")))
         .transpose()?;
-    let text_bytes = messages
-        .iter()
-        .map(message_text_bytes)
-        .fold(0u64, u64::saturating_add);
+    let text_bytes = messages.iter().map(message_text_bytes).fold(0u64, u64::saturating_add);
     let input_tokens = text_bytes.div_ceil(bytes_per_token.max(1));
     let expected_peak_tokens = output_budget
         .map(|b| {
@@ -136,35 +127,19 @@ fn optional_number(obj: &Map<String, Value>, field: &str) -> Result<Option<f64>,
 fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteError> {
     let check = |field: &str, ok: fn(f64) -> bool, range: &str| -> Result<(), RouteError> {
         match optional_number(obj, field)? {
-            Some(v) if !ok(v) => Err(RouteError::invalid(format!(
-                "`{field}` must be {range}, got {v}"
-            ))),
+            Some(v) if !ok(v) => Err(RouteError::invalid(format!("`{field}` must be {range}, got {v}"))),
             _ => Ok(()),
         }
     };
     check("temperature", |v| v >= 0.0, "at least 0")?;
     check("top_p", |v| v > 0.0 && v <= 1.0, "in (0, 1]")?;
     check("min_p", |v| (0.0..=1.0).contains(&v), "in [0, 1]")?;
-    check(
-        "frequency_penalty",
-        |v| (-2.0..=2.0).contains(&v),
-        "in [-2, 2]",
-    )?;
-    check(
-        "presence_penalty",
-        |v| (-2.0..=2.0).contains(&v),
-        "in [-2, 2]",
-    )?;
-    check(
-        "repetition_penalty",
-        |v| (0.0..=2.0).contains(&v),
-        "in [0, 2]",
-    )?;
+    check("frequency_penalty", |v| (-2.0..=2.0).contains(&v), "in [-2, 2]")?;
+    check("presence_penalty", |v| (-2.0..=2.0).contains(&v), "in [-2, 2]")?;
+    check("repetition_penalty", |v| (0.0..=2.0).contains(&v), "in [0, 2]")?;
     if let Some(k) = optional_integer(obj, "top_k")? {
         if k != -1 && k < 1 {
-            return Err(RouteError::invalid(format!(
-                "`top_k` must be -1 or at least 1, got {k}"
-            )));
+            return Err(RouteError::invalid(format!("`top_k` must be -1 or at least 1, got {k}")));
         }
     }
     Ok(())

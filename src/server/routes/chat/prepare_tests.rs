@@ -18,19 +18,14 @@ fn extracts_model_stream_and_n() {
     let f = facts(json!({"model": "m", "messages": [], "stream": true, "n": 3})).unwrap();
     assert_eq!((f.model.as_str(), f.stream, f.n), ("m", true, 3));
     let f = facts(json!({"model": "m", "messages": []})).unwrap();
-    assert_eq!(
-        (f.stream, f.n, f.output_budget, f.expected_peak_tokens),
-        (false, 1, None, None)
-    );
+    assert_eq!((f.stream, f.n, f.output_budget, f.expected_peak_tokens), (false, 1, None, None));
 }
 
 #[test]
 fn input_tokens_are_the_ceiling_of_text_bytes_over_bytes_per_token() {
-    let f =
-        facts(json!({"model": "m", "messages": [{"role": "user", "content": "12345"}]})).unwrap();
+    let f = facts(json!({"model": "m", "messages": [{"role": "user", "content": "12345"}]})).unwrap();
     assert_eq!(f.input_tokens, 2);
-    let f =
-        facts(json!({"model": "m", "messages": [{"role": "user", "content": "1234"}]})).unwrap();
+    let f = facts(json!({"model": "m", "messages": [{"role": "user", "content": "1234"}]})).unwrap();
     assert_eq!(f.input_tokens, 1);
 }
 
@@ -55,9 +50,7 @@ fn utf8_bytes_not_characters_are_counted() {
 
 #[test]
 fn output_budget_prefers_max_completion_tokens() {
-    let f =
-        facts(json!({"model": "m", "messages": [], "max_tokens": 10, "max_completion_tokens": 20}))
-            .unwrap();
+    let f = facts(json!({"model": "m", "messages": [], "max_tokens": 10, "max_completion_tokens": 20})).unwrap();
     assert_eq!(f.output_budget, Some(20));
     let f = facts(json!({"model": "m", "messages": [], "max_tokens": 10})).unwrap();
     assert_eq!(f.output_budget, Some(10));
@@ -65,25 +58,21 @@ fn output_budget_prefers_max_completion_tokens() {
 
 #[test]
 fn expected_peak_is_input_plus_budget_per_sequence() {
-    let f = facts(json!({"model": "m", "messages": [{"role": "user", "content": "12345678"}], "max_tokens": 10, "n": 4}))
-        .unwrap();
+    let f =
+        facts(json!({"model": "m", "messages": [{"role": "user", "content": "12345678"}], "max_tokens": 10, "n": 4}))
+            .unwrap();
     assert_eq!(f.expected_peak_tokens, Some(12));
 }
 
 #[test]
 fn an_overflowing_peak_is_a_400() {
-    let m = invalid(
-        json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": u64::MAX}),
-    );
+    let m = invalid(json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": u64::MAX}));
     assert!(m.contains("overflows"), "{m}");
 }
 
 #[test]
 fn bad_json_and_missing_messages_are_400() {
-    assert!(prepare(b"{nope", 4)
-        .unwrap_err()
-        .message
-        .contains("not valid JSON"));
+    assert!(prepare(b"{nope", 4).unwrap_err().message.contains("not valid JSON"));
     assert!(invalid(json!([1, 2])).contains("JSON object"));
     assert!(invalid(json!({"model": "m"})).contains("`messages` is required"));
     assert!(invalid(json!({"model": "m", "messages": "hi"})).contains("must be an array"));
@@ -115,10 +104,7 @@ fn sampling_ranges_follow_sglang() {
         ("temperature", json!("hot")),
     ] {
         let m = invalid(with(field, bad.clone()));
-        assert!(
-            m.contains(field) || m.contains("output budget"),
-            "{field}={bad}: {m}"
-        );
+        assert!(m.contains(field) || m.contains("output budget"), "{field}={bad}: {m}");
     }
     for (field, good) in [
         ("temperature", json!(0)),

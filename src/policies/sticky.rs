@@ -1,0 +1,80 @@
+//! Routing-key affinity (design §5): a routing key's requests reuse its admitted engine; new or
+//! missing keys go through the configured fallback (round_robin by default).
+
+use std::sync::Arc;
+
+use super::binding::BindingPolicy;
+use super::{BoxFuture, Pick, PickError, PickRequest, Policy};
+use crate::policies::admission::AdmissionGate;
+use crate::registry::Worker;
+use crate::state::affinity_store::{AffinityStore, BindingKind};
+
+#[derive(Debug)]
+pub struct StickyPolicy(BindingPolicy);
+
+impl StickyPolicy {
+    /// `fallback` is built with default admission; this policy checks what it returns.
+    pub fn new(
+        store: Arc<AffinityStore>,
+        gate: AdmissionGate,
+        fallback: Box<dyn Policy>,
+        touch_resolution_ms: u64,
+    ) -> Self {
+        Self(BindingPolicy { kind: BindingKind::Sticky, store, gate, fallback, touch_resolution_ms })
+    }
+}
+
+impl Policy for StickyPolicy {
+    fn pick<'a>(
+        &'a self,
+        engines: &'a [Arc<Worker>],
+        request: &'a PickRequest<'a>,
+    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+        Box::pin(self.0.pick(engines, request))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AdmissionLimits, Role};
+    use crate::host::{Host, MemoryHost};
+    use crate::policies::testing::*;
+    use crate::policies::{MemoryCursor, PickReason, RoundRobinPolicy};
+
+    fn sticky(state: &State, store: &Arc<AffinityStore>, limits: AdmissionLimits) -> StickyPolicy {
+        let fallback = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), state.gate(AdmissionLimits::default()));
+        StickyPolicy::new(Arc::clone(store), state.gate(limits), Box::new(fallback), 1000)
+    }
+
+    fn keyed(key: &'static str) -> PickRequest<'static> {
+        PickRequest { routing_key: Some(key), ..request(Role::Plain) }
+    }
+
+    #[test]
+    fn new_keys_go_through_the_fallback_and_then_stick() {
+        let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let store = Arc::new(AffinityStore::new(host));
+        let state = State::new();
+        let p = sticky(&state, &store, AdmissionLimits::default());
+        let ws = workers(&["A", "B"]);
+        let k1 = now(p.pick(&ws, &keyed("k1"))).unwrap();
+        let k2 = now(p.pick(&ws, &keyed("k2"))).unwrap();
+        assert_eq!((k1.worker.id.as_str(), k2.worker.id.as_str()), ("A", "B"), "round-robin fallback for new keys");
+        for _ in 0..3 {
+            assert_eq!(now(p.pick(&ws, &keyed("k1"))).unwrap().worker.id, "A");
+            assert_eq!(now(p.pick(&ws, &keyed("k2"))).unwrap().worker.id, "B");
+        }
+    }
+
+    #[test]
+    fn a_session_header_is_not_a_routing_key() {
+        let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let store = Arc::new(AffinityStore::new(host));
+        let state = State::new();
+        let p = sticky(&state, &store, AdmissionLimits::default());
+        let r = PickRequest { session_key: Some("s"), ..request(Role::Plain) };
+        assert_eq!(now(p.pick(&workers(&["A"]), &r)).unwrap().reason, PickReason::NoKey);
+        assert!(store.is_empty());
+    }
+}
