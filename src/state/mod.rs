@@ -4,6 +4,7 @@ pub mod affinity_store;
 pub mod breaker;
 pub mod health;
 pub mod keys;
+pub mod kv_events;
 pub mod load_monitor;
 pub mod schedule;
 pub mod shared;

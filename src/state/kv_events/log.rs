@@ -1,0 +1,264 @@
+//! The update log that keeps every VM's prefix trees equal to the service's: a ring of event
+//! batches in fixed shared-data slots, a head counter beside it, and a periodic snapshot for a
+//! replica that fell more than a ring behind.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use super::events::{apply, PrefixEvent};
+use super::radix::RadixTree;
+use crate::host::{Host, HostError};
+use crate::state::shared::read_u64;
+
+/// Batches the ring holds; a snapshot is written every quarter ring.
+pub const LOG_SLOTS: u64 = 256;
+const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 4;
+
+const HEAD: &str = "sgl.prefix.head";
+const SNAPSHOT: &str = "sgl.prefix.snapshot";
+
+fn slot_key(batch: u64) -> String {
+    format!("sgl.prefix.log.{}", batch % LOG_SLOTS)
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Batch {
+    batch: u64,
+    first_seq: u64,
+    events: Vec<PrefixEvent>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Snapshot {
+    next_batch: u64,
+    next_seq: u64,
+    trees: BTreeMap<String, RadixTree>,
+}
+
+/// Per-model tree budgets in bytes; the same on the service and every replica.
+#[derive(Debug, Clone, Default)]
+pub struct Budgets(pub HashMap<String, u64>);
+
+impl Budgets {
+    fn of(&self, model: &str) -> u64 {
+        self.0.get(model).copied().unwrap_or(0)
+    }
+}
+
+/// The service's authoritative trees and the writer of the log.
+#[derive(Debug)]
+pub struct PrefixLog {
+    trees: BTreeMap<String, RadixTree>,
+    next_batch: u64,
+    next_seq: u64,
+    budgets: Budgets,
+}
+
+impl PrefixLog {
+    pub fn new(budgets: Budgets) -> Self {
+        Self { trees: BTreeMap::new(), next_batch: 0, next_seq: 0, budgets }
+    }
+
+    pub fn trees(&self) -> &BTreeMap<String, RadixTree> {
+        &self.trees
+    }
+
+    pub fn head(&self) -> u64 {
+        self.next_batch
+    }
+
+    /// Starts a fresh log (the service restarted, or this is the first start).
+    pub fn publish_start(&self, host: &dyn Host) -> Result<(), HostError> {
+        self.write_snapshot(host)?;
+        host.shared_set(HEAD, &self.next_batch.to_le_bytes(), None)
+    }
+
+    /// Applies `events` to the authoritative trees and appends them as one batch.
+    pub fn append(&mut self, host: &dyn Host, events: Vec<PrefixEvent>) -> Result<(), HostError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let first_seq = self.next_seq;
+        for event in &events {
+            let budgets = &self.budgets;
+            apply(&mut self.trees, event, self.next_seq, &|m| budgets.of(m));
+            self.next_seq += 1;
+        }
+        let batch = Batch { batch: self.next_batch, first_seq, events };
+        let bytes = serde_json::to_vec(&batch).map_err(|e| HostError::Failed(e.to_string()))?;
+        host.shared_set(&slot_key(self.next_batch), &bytes, None)?;
+        self.next_batch += 1;
+        host.shared_set(HEAD, &self.next_batch.to_le_bytes(), None)?;
+        if self.next_batch % SNAPSHOT_EVERY == 0 {
+            self.write_snapshot(host)?;
+        }
+        Ok(())
+    }
+
+    fn write_snapshot(&self, host: &dyn Host) -> Result<(), HostError> {
+        let snapshot = Snapshot { next_batch: self.next_batch, next_seq: self.next_seq, trees: self.trees.clone() };
+        let bytes = serde_json::to_vec(&snapshot).map_err(|e| HostError::Failed(e.to_string()))?;
+        host.shared_set(SNAPSHOT, &bytes, None)
+    }
+}
+
+/// A worker VM's copy of the trees.
+#[derive(Debug)]
+pub struct PrefixReplica {
+    trees: BTreeMap<String, RadixTree>,
+    next_batch: u64,
+    budgets: Budgets,
+    resyncs: u64,
+}
+
+impl PrefixReplica {
+    pub fn new(budgets: Budgets) -> Self {
+        Self { trees: BTreeMap::new(), next_batch: 0, budgets, resyncs: 0 }
+    }
+
+    pub fn tree(&self, model: &str) -> Option<&RadixTree> {
+        self.trees.get(model)
+    }
+
+    pub fn trees(&self) -> &BTreeMap<String, RadixTree> {
+        &self.trees
+    }
+
+    /// The log version this replica has applied.
+    pub fn version(&self) -> u64 {
+        self.next_batch
+    }
+
+    pub fn resyncs(&self) -> u64 {
+        self.resyncs
+    }
+
+    /// Reads the head (a few bytes) and applies whatever batches are new.
+    pub fn refresh(&mut self, host: &dyn Host) -> Result<(), HostError> {
+        let head = read_u64(host, HEAD)?.unwrap_or(0);
+        if head < self.next_batch || head - self.next_batch > LOG_SLOTS {
+            // The service restarted (head went back) or the ring moved past us.
+            self.resync(host)?;
+        }
+        while self.next_batch < head {
+            let raw = host.shared_get(&slot_key(self.next_batch))?;
+            let batch: Option<Batch> = raw.and_then(|v| serde_json::from_slice(&v.bytes).ok());
+            match batch {
+                Some(b) if b.batch == self.next_batch => {
+                    for (i, event) in b.events.iter().enumerate() {
+                        let budgets = &self.budgets;
+                        apply(&mut self.trees, event, b.first_seq + i as u64, &|m| budgets.of(m));
+                    }
+                    self.next_batch += 1;
+                }
+                // Overwritten under us: start again from the snapshot.
+                _ => {
+                    self.resync(host)?;
+                    if self.next_batch >= head {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn resync(&mut self, host: &dyn Host) -> Result<(), HostError> {
+        let snapshot: Snapshot = match host.shared_get(SNAPSHOT)? {
+            Some(v) => serde_json::from_slice(&v.bytes).map_err(|e| HostError::Failed(e.to_string()))?,
+            None => Snapshot::default(),
+        };
+        self.trees = snapshot.trees;
+        for t in self.trees.values_mut() {
+            t.rebuild_index();
+        }
+        self.next_batch = snapshot.next_batch;
+        self.resyncs += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::MemoryHost;
+    use crate::state::kv_events::Tier;
+
+    fn budgets() -> Budgets {
+        Budgets([("m".to_string(), 4096u64)].into_iter().collect())
+    }
+
+    fn stored(i: u64) -> PrefixEvent {
+        PrefixEvent::Stored {
+            model: "m".into(),
+            worker: ["A", "B"][(i % 2) as usize].into(),
+            text: format!("system prompt {} / user {i}", i % 7),
+            tier: Tier::Gpu,
+        }
+    }
+
+    #[test]
+    fn replicas_follow_the_log_and_agree_with_the_service() {
+        let host = MemoryHost::default();
+        let mut log = PrefixLog::new(budgets());
+        log.publish_start(&host).unwrap();
+        let mut replica = PrefixReplica::new(budgets());
+        for i in 0..40 {
+            log.append(&host, vec![stored(i), stored(i + 1000)]).unwrap();
+            if i % 3 == 0 {
+                replica.refresh(&host).unwrap();
+            }
+        }
+        replica.refresh(&host).unwrap();
+        assert_eq!(replica.version(), log.head());
+        assert_eq!(replica.trees(), log.trees());
+        assert_eq!(replica.resyncs(), 0);
+    }
+
+    #[test]
+    fn a_replica_that_fell_a_ring_behind_resyncs_from_the_snapshot() {
+        let host = MemoryHost::default();
+        let mut log = PrefixLog::new(budgets());
+        log.publish_start(&host).unwrap();
+        let mut replica = PrefixReplica::new(budgets());
+        replica.refresh(&host).unwrap();
+        for i in 0..(LOG_SLOTS * 2 + 7) {
+            log.append(&host, vec![stored(i)]).unwrap();
+        }
+        replica.refresh(&host).unwrap();
+        assert_eq!(replica.version(), log.head());
+        assert_eq!(replica.trees(), log.trees());
+        assert_eq!(replica.resyncs(), 1);
+    }
+
+    #[test]
+    fn a_late_vm_starts_from_the_snapshot_and_catches_up() {
+        let host = MemoryHost::default();
+        let mut log = PrefixLog::new(budgets());
+        log.publish_start(&host).unwrap();
+        for i in 0..100 {
+            log.append(&host, vec![stored(i)]).unwrap();
+        }
+        let mut late = PrefixReplica::new(budgets());
+        late.refresh(&host).unwrap();
+        assert_eq!(late.trees(), log.trees());
+    }
+
+    #[test]
+    fn a_restarted_service_resets_the_replicas() {
+        let host = MemoryHost::default();
+        let mut log = PrefixLog::new(budgets());
+        log.publish_start(&host).unwrap();
+        for i in 0..10 {
+            log.append(&host, vec![stored(i)]).unwrap();
+        }
+        let mut replica = PrefixReplica::new(budgets());
+        replica.refresh(&host).unwrap();
+        let mut restarted = PrefixLog::new(budgets());
+        restarted.publish_start(&host).unwrap();
+        restarted.append(&host, vec![stored(99)]).unwrap();
+        replica.refresh(&host).unwrap();
+        assert_eq!(replica.trees(), restarted.trees());
+    }
+}
