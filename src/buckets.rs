@@ -101,12 +101,14 @@ pub enum BucketGroups {
 }
 
 /// Routing facts prepared once per request; each group call gets its stage-specific view.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct BucketRequest {
     pub model: String,
     pub input_tokens: u64,
     pub expected_peak_tokens: Option<u64>,
     pub token_ids: Option<Vec<u32>>,
+    pub prompt_text: Option<Arc<str>>,
+    pub prefix_memo: Arc<crate::policies::cache_aware::PrefixMemo>,
     pub session_key: Option<String>,
     pub routing_key: Option<String>,
 }
@@ -120,6 +122,8 @@ impl BucketRequest {
             input_tokens: self.input_tokens,
             expected_peak_tokens: self.expected_peak_tokens,
             token_ids: self.token_ids.as_deref(),
+            prompt_text: self.prompt_text.as_deref(),
+            prefix_memo: Some(&self.prefix_memo),
             session_key: self.session_key.as_deref(),
             routing_key: self.routing_key.as_deref(),
         }

@@ -11,11 +11,13 @@ use super::{
 use crate::buckets::{Bucket, BucketGroups, BucketResolver, EngineGroup};
 use crate::host::Host;
 use crate::policies::admission::AdmissionGate;
+use crate::policies::cache_aware::{CacheAwarePolicy, CacheSource, LocalCacheSource};
 use crate::policies::{
     LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SessionAwarePolicy,
     SharedCursor, StickyPolicy,
 };
 use crate::state::affinity_store::AffinityStore;
+use crate::state::kv_events::{Budgets, PrefixReplica};
 use crate::state::load_monitor::{InflightTable, LoadView};
 
 /// The application's shared state, handed to every policy that needs part of it.
@@ -30,6 +32,8 @@ pub struct StateHandles {
     pub callouts: Arc<dyn crate::host::Callouts>,
     /// Session and routing-key bindings.
     pub affinity: Arc<AffinityStore>,
+    /// The prefix index cache-aware policies read.
+    pub prefixes: Arc<dyn CacheSource>,
 }
 
 pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
@@ -46,6 +50,7 @@ pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Result<
                     stage,
                     instance: format!("{model}/{}/{}", b.id, stage.as_str()),
                     model: model_config,
+                    bytes_per_token: config.tokens.bytes_per_token,
                 };
                 build_group(&site, g, handles)
             };
@@ -87,15 +92,16 @@ pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Result<
 }
 
 /// Where a group sits: its field path, stage, policy instance name and model.
-struct GroupSite<'a> {
-    path: String,
-    stage: Role,
-    instance: String,
-    model: &'a ModelConfig,
+pub struct GroupSite<'a> {
+    pub path: String,
+    pub stage: Role,
+    pub instance: String,
+    pub model: &'a ModelConfig,
+    pub bytes_per_token: u64,
 }
 
 fn build_group(site: &GroupSite<'_>, group: &GroupConfig, handles: &StateHandles) -> Result<EngineGroup, ConfigError> {
-    let policy = build_policy(&format!("{}.policy", site.path), &group.policy, &site.instance, site.model, handles)?;
+    let policy = build_policy(site, &group.policy, handles)?;
     Ok(match &group.worker_ids {
         None => EngineGroup::new(site.stage, policy),
         Some(ids) => EngineGroup::with_members(site.stage, ids.iter().cloned(), policy),
@@ -125,14 +131,13 @@ fn fallback_policy(kind: StickyFallback, instance: &str, handles: &StateHandles)
     }
 }
 
-/// One logical policy instance per role group; `instance` names its shared state.
+/// One logical policy instance per role group; `site.instance` names its shared state.
 pub fn build_policy(
-    path: &str,
+    site: &GroupSite<'_>,
     config: &PolicyConfig,
-    instance: &str,
-    model: &ModelConfig,
     handles: &StateHandles,
 ) -> Result<Arc<dyn Policy>, ConfigError> {
+    let (instance, model) = (site.instance.as_str(), site.model);
     let gate = AdmissionGate {
         admission: Arc::new(*config.admission()),
         load: Arc::clone(&handles.load),
@@ -157,13 +162,36 @@ pub fn build_policy(
             fallback_policy(c.fallback, instance, handles),
             touch_resolution(model.sticky_idle_ms),
         )),
-        PolicyConfig::CacheAware(_) => {
-            return Err(ConfigError::new(
-                format!("{path}.type"),
-                "`cache_aware` needs the shared prefix index, which this build does not have yet",
-            ))
-        }
+        PolicyConfig::CacheAware(c) => Arc::new(CacheAwarePolicy::new(
+            (**c).clone(),
+            Arc::clone(&handles.prefixes),
+            gate,
+            Arc::clone(&handles.random),
+            site.bytes_per_token,
+        )),
     })
+}
+
+/// Each model's prefix-tree budget in bytes: the largest `max_tree_tokens` of its cache-aware
+/// groups, in the estimator's bytes. Models without a cache-aware group keep no tree.
+pub fn prefix_budgets(config: &RouterConfig) -> Budgets {
+    let mut budgets = HashMap::new();
+    for (name, model) in &config.models {
+        for b in &model.buckets {
+            let groups: Vec<&GroupConfig> = match &b.groups {
+                GroupsConfig::Plain(g) => vec![g],
+                GroupsConfig::Pd(pd) => vec![&pd.prefill, &pd.decode],
+            };
+            for g in groups {
+                if let PolicyConfig::CacheAware(c) = &g.policy {
+                    let bytes = c.max_tree_tokens.saturating_mul(config.tokens.bytes_per_token);
+                    let entry = budgets.entry(name.clone()).or_insert(0u64);
+                    *entry = (*entry).max(bytes);
+                }
+            }
+        }
+    }
+    Budgets(budgets)
 }
 
 /// Everything the filter checks at `on_configure`: validation, then building every policy
@@ -176,6 +204,7 @@ pub fn check(config: &RouterConfig) -> Result<(), ConfigErrors> {
         random: Arc::new(crate::policies::SeededRandom::new(0)),
         callouts: Arc::new(crate::host::MemoryCallouts::default()),
         affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
+        prefixes: Arc::new(LocalCacheSource::new(Arc::clone(&host), PrefixReplica::new(prefix_budgets(config)))),
         host,
     };
     build_resolvers(config, &handles).map(|_| ())

@@ -505,7 +505,7 @@ pub(crate) mod defaults {
         1024
     }
     pub fn min_candidates() -> usize {
-        1
+        2
     }
     pub fn switch_margin_tokens() -> u64 {
         0

@@ -233,11 +233,8 @@ impl GroupCheck<'_, '_> {
             if c.min_candidates == 0 {
                 self.errors.push(ConfigError::new(format!("{path}.min_candidates"), "must be at least 1"));
             }
-            if let Some(max) = c.max_candidates {
-                if max < c.min_candidates {
-                    self.errors
-                        .push(ConfigError::new(format!("{path}.max_candidates"), "must be at least min_candidates"));
-                }
+            if c.max_candidates == Some(0) {
+                self.errors.push(ConfigError::new(format!("{path}.max_candidates"), "must be at least 1"));
             }
             if c.min_load_choices == 0 {
                 self.errors.push(ConfigError::new(format!("{path}.min_load_choices"), "must be at least 1"));

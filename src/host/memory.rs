@@ -13,6 +13,7 @@ use super::{Host, HostError, SharedValue};
 #[derive(Debug)]
 pub struct MemoryHost {
     data: Mutex<HashMap<String, SharedValue>>,
+    queues: Mutex<HashMap<String, Vec<Vec<u8>>>>,
     now_ms: AtomicU64,
     rng: Mutex<Xoshiro256PlusPlus>,
 }
@@ -21,6 +22,7 @@ impl MemoryHost {
     pub fn new(seed: u64) -> Self {
         Self {
             data: Mutex::new(HashMap::new()),
+            queues: Mutex::new(HashMap::new()),
             now_ms: AtomicU64::new(1_000_000),
             rng: Mutex::new(Xoshiro256PlusPlus::seed_from_u64(seed)),
         }
@@ -32,6 +34,11 @@ impl MemoryHost {
 
     pub fn advance_ms(&self, by: u64) {
         self.now_ms.fetch_add(by, Ordering::SeqCst);
+    }
+
+    /// Takes every message queued on `name`, oldest first.
+    pub fn drain(&self, name: &str) -> Vec<Vec<u8>> {
+        self.queues.lock().map(|mut q| q.remove(name).unwrap_or_default()).unwrap_or_default()
     }
 }
 
@@ -70,6 +77,12 @@ impl Host for MemoryHost {
 
     fn now_ms(&self) -> u64 {
         self.now_ms.load(Ordering::SeqCst)
+    }
+
+    fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
+        let mut q = self.queues.lock().map_err(|_| poisoned())?;
+        q.entry(name.to_string()).or_default().push(message.to_vec());
+        Ok(())
     }
 
     fn random_u64(&self) -> u64 {

@@ -32,4 +32,6 @@ pub trait Host: Send + Sync + std::fmt::Debug {
     /// Milliseconds of wall-clock time.
     fn now_ms(&self) -> u64;
     fn random_u64(&self) -> u64;
+    /// Sends a message to the shared queue `name`, which only the service registers and drains.
+    fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError>;
 }

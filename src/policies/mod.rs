@@ -4,6 +4,7 @@
 
 pub mod admission;
 mod binding;
+pub mod cache_aware;
 mod least_load;
 mod power_of_two;
 pub mod pressure;
@@ -33,7 +34,7 @@ use crate::registry::Worker;
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Facts of one group call: no body, no state handles, no observations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct PickRequest<'a> {
     pub model: &'a str,
     pub stage: Role,
@@ -41,6 +42,10 @@ pub struct PickRequest<'a> {
     pub input_tokens: u64,
     pub expected_peak_tokens: Option<u64>,
     pub token_ids: Option<&'a [u32]>,
+    /// The prompt text the prefix index matches (its bytes stand in for tokens).
+    pub prompt_text: Option<&'a str>,
+    /// One prefix lookup per request, shared by every bucket attempt.
+    pub prefix_memo: Option<&'a cache_aware::PrefixMemo>,
     pub session_key: Option<&'a str>,
     pub routing_key: Option<&'a str>,
 }
@@ -65,6 +70,16 @@ pub enum PickReason {
     NewBinding,
     /// No key: the fallback chose, and nothing was bound.
     NoKey,
+    /// An engine holding the prompt's prefix was chosen.
+    CacheHit,
+    /// Every holder was past the soft queue gate; the longest match was kept.
+    SaturationPin,
+    /// The prefix index answered: nobody holds enough of the prompt.
+    CacheMiss,
+    /// The prefix index could not answer; load decided.
+    CacheUnavailable,
+    /// Holders were under too much pressure; load decided.
+    PressureGuard,
 }
 
 impl PickReason {
@@ -81,6 +96,11 @@ impl PickReason {
             PickReason::BoundReuse => "bound_reuse",
             PickReason::NewBinding => "new_binding",
             PickReason::NoKey => "no_key",
+            PickReason::CacheHit => "cache_hit",
+            PickReason::SaturationPin => "saturation_pin",
+            PickReason::CacheMiss => "cache_miss",
+            PickReason::CacheUnavailable => "cache_unavailable",
+            PickReason::PressureGuard => "pressure_guard",
         }
     }
 }

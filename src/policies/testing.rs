@@ -75,6 +75,8 @@ pub fn request(stage: Role) -> super::PickRequest<'static> {
         input_tokens: 10,
         expected_peak_tokens: None,
         token_ids: None,
+        prompt_text: None,
+        prefix_memo: None,
         session_key: None,
         routing_key: None,
     }

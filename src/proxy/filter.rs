@@ -13,15 +13,17 @@ use std::time::{Duration, Instant};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use super::host::clear_route_cache;
+use super::host::{clear_route_cache, ProxyHost};
 use super::stats::Stats;
 use crate::host::CalloutResponse;
+use crate::host::Host;
 use crate::registry::Worker;
 use crate::server::app_context::{PendingChat, Target};
 use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};
 use crate::server::metrics;
 use crate::server::routes::models::list_models;
 use crate::server::{AppContext, Decision, ErrorKind, RouteError};
+use crate::state::keys;
 use crate::state::load_monitor::InflightGuard;
 
 const CHAT_PATH: &str = "/v1/chat/completions";
@@ -47,6 +49,8 @@ struct PrefillCall {
 pub struct Filter {
     app: Rc<RefCell<AppContext>>,
     stats: Rc<Stats>,
+    /// Set when the configuration asks responses to say which VM decided.
+    vm_header: Option<String>,
     is_chat: bool,
     body_size: usize,
     /// Session and routing-key headers, read while request headers may still be read.
@@ -64,10 +68,12 @@ pub struct Filter {
 }
 
 impl Filter {
-    pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>) -> Self {
+    pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>, vm: u64) -> Self {
+        let vm_header = app.borrow().config().debug.vm_header.then(|| format!("{vm:016x}"));
         Self {
             app,
             stats,
+            vm_header,
             is_chat: false,
             body_size: 0,
             keys: HashMap::new(),
@@ -167,6 +173,14 @@ impl Filter {
         let upstream = decision.target.upstream();
         self.app.borrow().on_dispatch(&upstream.id);
         self.inflight = Some(InflightGuard::acquire(inflight, &upstream.id));
+        if let Some(event) = &decision.prefix_event {
+            let sent = serde_json::to_vec(event)
+                .map_err(|e| e.to_string())
+                .and_then(|bytes| ProxyHost.enqueue(keys::PREFIX_QUEUE, &bytes).map_err(|e| e.to_string()));
+            if let Err(e) = sent {
+                log::warn!("prefix event not sent to the service: {e}");
+            }
+        }
         self.decision = Some(decision);
         Action::Continue
     }
@@ -300,6 +314,9 @@ impl HttpContext for Filter {
             return Action::Continue;
         };
         let upstream = Arc::clone(decision.target.upstream());
+        if let Some(vm) = self.vm_header.clone() {
+            self.set_http_response_header("x-sgl-vm", Some(&vm));
+        }
         self.set_http_response_header("x-sgl-bucket", Some(&decision.bucket_id));
         self.set_http_response_header("x-sgl-worker", Some(&upstream.id));
         if let Target::Pd { prefill, .. } = &decision.target {

@@ -7,6 +7,11 @@ use proxy_wasm::types::Status;
 
 use crate::host::{Host, HostError, SharedValue};
 
+thread_local! {
+    /// Resolved queue ids, once per VM.
+    static QUEUES: std::cell::RefCell<std::collections::HashMap<String, u32>> = Default::default();
+}
+
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ProxyHost;
 
@@ -33,6 +38,34 @@ impl Host for ProxyHost {
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
             .unwrap_or(0)
+    }
+
+    fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
+        let queue = QUEUES.with(|q| q.borrow().get(name).copied());
+        let queue = match queue {
+            Some(id) => id,
+            None => {
+                let vm_id = hostcalls::get_property(vec!["plugin_vm_id"])
+                    .ok()
+                    .flatten()
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .unwrap_or_else(|| "sgl_router".to_string());
+                match hostcalls::resolve_shared_queue(&vm_id, name) {
+                    Ok(Some(id)) => {
+                        QUEUES.with(|q| q.borrow_mut().insert(name.to_string(), id));
+                        id
+                    }
+                    Ok(None) => {
+                        return Err(HostError::Failed(format!(
+                            "queue {name} is not registered (is the service running?)"
+                        )))
+                    }
+                    Err(status) => return Err(HostError::Failed(format!("resolve_shared_queue({name}): {status:?}"))),
+                }
+            }
+        };
+        hostcalls::enqueue_shared_queue(queue, Some(message))
+            .map_err(|status| HostError::Failed(format!("enqueue_shared_queue({name}): {status:?}")))
     }
 
     fn random_u64(&self) -> u64 {

@@ -13,11 +13,14 @@ use super::host::{ProxyCallouts, ProxyHost};
 use super::service::Service;
 use super::stats::Stats;
 use crate::config;
+use crate::config::factory::prefix_budgets;
 use crate::config::factory::StateHandles;
 use crate::host::Host;
+use crate::policies::cache_aware::{CacheSource, LocalCacheSource};
 use crate::policies::SeededRandom;
 use crate::server::AppContext;
 use crate::state::affinity_store::AffinityStore;
+use crate::state::kv_events::PrefixReplica;
 use crate::state::load_monitor::{SharedInflight, SharedLoadView};
 use crate::state::vm_registry;
 use std::time::Duration;
@@ -31,6 +34,8 @@ pub struct Root {
     stats: Rc<Stats>,
     /// This filter VM's identity for its in-flight shares; kept across `on_configure` calls.
     vm: Option<u64>,
+    /// This VM's replica of the prefix index.
+    prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
 }
 
@@ -43,6 +48,16 @@ fn root_id() -> String {
 }
 
 impl Root {
+    /// Keeps an idle replica current and reports how far it is, so tests and operators can see
+    /// replicas agree.
+    fn export_replica(&self) {
+        let (Some(prefixes), Some(vm)) = (&self.prefixes, self.vm) else { return };
+        prefixes.refresh();
+        let (version, bytes) = prefixes.replica_status();
+        self.stats.gauge(&format!("sgl_router_prefix_replica_version.vm.{vm:016x}"), version);
+        self.stats.gauge(&format!("sgl_router_prefix_replica_bytes.vm.{vm:016x}"), bytes);
+    }
+
     /// Tells the service this VM is alive, so its in-flight shares are kept.
     fn heartbeat(&self) {
         if let Some(vm) = self.vm {
@@ -79,12 +94,16 @@ impl RootContext for Root {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
+                let prefixes =
+                    Arc::new(LocalCacheSource::new(Arc::clone(&host), PrefixReplica::new(prefix_budgets(&parsed))));
+                self.prefixes = Some(Arc::clone(&prefixes));
                 let handles = StateHandles {
                     load: Arc::new(SharedLoadView::new(Arc::clone(&host), parsed.load.stale_after_ms)),
                     inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
                     random: Arc::new(SeededRandom::from_host(host.as_ref())),
                     callouts: Arc::new(ProxyCallouts::default()),
                     affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
+                    prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
                     host,
                 };
                 match AppContext::new(parsed, handles) {
@@ -117,18 +136,25 @@ impl RootContext for Root {
         }
     }
 
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if let Some(service) = self.service.as_mut() {
+            service.on_queue_ready(queue_id);
+        }
+    }
+
     fn on_tick(&mut self) {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
         if self.filter.is_some() {
             self.heartbeat();
+            self.export_replica();
         }
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         let app = self.filter.as_ref()?;
-        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats))))
+        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats), self.vm.unwrap_or(0))))
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -12,11 +12,14 @@ use proxy_wasm::types::MapType;
 
 use super::host::ProxyHost;
 use super::stats::Stats;
+use crate::config::factory::prefix_budgets;
 use crate::config::RouterConfig;
 use crate::host::Host;
 use crate::registry::{Worker, WorkerRegistry};
 use crate::server::metrics::label;
+use crate::state::affinity_store::{AffinityStore, BindingKind};
 use crate::state::health::HealthMonitor;
+use crate::state::kv_events::{PrefixEvent, PrefixLog};
 use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
 use crate::state::{keys, shared, vm_registry};
 
@@ -38,6 +41,10 @@ pub struct Service {
     pending: HashMap<u32, Poll>,
     health_published: bool,
     last_sweep_ms: u64,
+    last_affinity_sweep_ms: u64,
+    prefixes: PrefixLog,
+    prefix_queue: Option<u32>,
+    affinity: AffinityStore,
     stats: Rc<Stats>,
 }
 
@@ -46,7 +53,22 @@ impl Service {
         let workers = WorkerRegistry::from_config(&config).all().to_vec();
         let health = HealthMonitor::new(config.health.clone(), &workers);
         let load = LoadPoller::new(&config.load, &workers);
+        let prefixes = PrefixLog::new(prefix_budgets(&config));
+        if let Err(e) = prefixes.publish_start(&ProxyHost) {
+            log::warn!("prefix log not started: {e}");
+        }
+        let prefix_queue = match hostcalls::register_shared_queue(keys::PREFIX_QUEUE) {
+            Ok(id) => Some(id),
+            Err(status) => {
+                log::warn!("prefix queue not registered: {status:?}");
+                None
+            }
+        };
         Self {
+            prefixes,
+            prefix_queue,
+            affinity: AffinityStore::new(Arc::new(ProxyHost)),
+            last_affinity_sweep_ms: 0,
             inflight: SharedInflight::new(Arc::new(ProxyHost), 0),
             config,
             workers,
@@ -109,6 +131,10 @@ impl Service {
                 log::warn!("load table not published: {e}");
             }
         }
+        if now.saturating_sub(self.last_affinity_sweep_ms) >= self.config.affinity_sweep_ms {
+            self.last_affinity_sweep_ms = now;
+            self.sweep_affinity();
+        }
         if now.saturating_sub(self.last_sweep_ms) >= vm_registry::HEARTBEAT_MS {
             self.last_sweep_ms = now;
             self.sweep_dead_vms();
@@ -128,6 +154,13 @@ impl Service {
                 if self.health.record(index, ok) {
                     if let Some(w) = self.workers.get(index) {
                         log::info!("worker {} is now {}", w.id, if ok { "healthy" } else { "unhealthy" });
+                        if !ok {
+                            // What a failed engine cached is unknown once it comes back.
+                            let cleared = PrefixEvent::AllCleared { worker: w.id.clone() };
+                            if let Err(e) = self.prefixes.append(&ProxyHost, vec![cleared]) {
+                                log::warn!("prefix invalidation of {} not logged: {e}", w.id);
+                            }
+                        }
                     }
                     self.publish_health();
                 }
@@ -147,6 +180,39 @@ impl Service {
                     }
                 }
             }
+        }
+    }
+
+    /// Drains the prefix events the filters sent and appends them to the log as one batch.
+    pub fn on_queue_ready(&mut self, queue_id: u32) {
+        if Some(queue_id) != self.prefix_queue {
+            return;
+        }
+        let mut events = Vec::new();
+        while let Ok(Some(message)) = hostcalls::dequeue_shared_queue(queue_id) {
+            match serde_json::from_slice::<PrefixEvent>(&message) {
+                Ok(e) => events.push(e),
+                Err(e) => log::warn!("prefix event not understood: {e}"),
+            }
+        }
+        if let Err(e) = self.prefixes.append(&ProxyHost, events) {
+            log::warn!("prefix events not logged: {e}");
+        }
+    }
+
+    /// Expires idle session and sticky bindings, and bindings to engines no longer configured.
+    fn sweep_affinity(&self) {
+        let models = &self.config.models;
+        let idle = |model: &str, kind: BindingKind| {
+            models.get(model).map_or(0, |m| match kind {
+                BindingKind::Session => m.session_idle_ms,
+                BindingKind::Sticky => m.sticky_idle_ms,
+            })
+        };
+        let known = |id: &str| self.workers.iter().any(|w| w.id == id);
+        let removed = self.affinity.sweep(&idle, &known);
+        if removed > 0 {
+            log::info!("expired {removed} idle affinity bindings");
         }
     }
 
@@ -196,5 +262,9 @@ impl Service {
         let unhealthy = self.health.table().unhealthy.len() as u64;
         self.stats.gauge("sgl_router_healthy_workers", (self.workers.len() as u64).saturating_sub(unhealthy));
         self.stats.gauge("sgl_router_health_published", u64::from(self.health_published));
+        self.stats.gauge("sgl_router_prefix_log_head", self.prefixes.head());
+        let bytes: u64 = self.prefixes.trees().values().map(|t| t.size_bytes()).sum();
+        self.stats.gauge("sgl_router_prefix_service_bytes", bytes);
+        self.stats.gauge("sgl_router_affinity_bindings", self.affinity.len() as u64);
     }
 }

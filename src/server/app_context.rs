@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use crate::buckets::{BucketPick, BucketRequest, LiveWorkers};
-use crate::config::factory::{build_resolvers, Resolvers, StateHandles};
+use crate::config::factory::{build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use crate::config::{ConfigErrors, RouterConfig, UpstreamMode};
+use crate::state::kv_events::{PrefixEvent, Tier};
 use serde_json::{Map, Value};
 
 use crate::policies::{BoxFuture, RandomSource};
@@ -46,6 +47,9 @@ pub struct Decision {
     pub upstream_header: (String, String),
     /// PD only: the rewritten body and the prefill callout.
     pub pd: Option<PdDispatch>,
+    /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
+    /// to the service once the decision is carried out.
+    pub prefix_event: Option<PrefixEvent>,
     pub selection: Selection,
 }
 
@@ -77,6 +81,7 @@ impl Upstream {
 /// again when the callout it waits for answers.
 pub struct PendingChat {
     pub facts: ChatFacts,
+    prompt_text: Option<Arc<str>>,
     body: Option<Map<String, Value>>,
     selection: BoxFuture<'static, Result<Selection, SelectionFailure>>,
     upstream: Upstream,
@@ -113,6 +118,13 @@ impl PendingChat {
                 (target, Some(pd))
             }
         };
+        // Recorded for the engine that does the prefill work, never for a discarded attempt.
+        let prefix_event = self.prompt_text.as_ref().map(|text| {
+            let worker = match &target {
+                Target::Plain(w) | Target::Pd { prefill: w, .. } => w.id.clone(),
+            };
+            PrefixEvent::Stored { model: self.facts.model.clone(), worker, text: text.to_string(), tier: Tier::Gpu }
+        });
         Poll::Ready(ChatOutcome {
             counters,
             result: Ok(Decision {
@@ -120,6 +132,7 @@ impl PendingChat {
                 upstream_header: self.upstream.header_for(target.upstream()),
                 target,
                 pd,
+                prefix_event,
                 selection,
             }),
         })
@@ -135,6 +148,8 @@ pub struct AppContext {
     unhealthy: Arc<HashSet<String>>,
     breakers: Option<CircuitBreakers>,
     upstream: Upstream,
+    /// Models with a cache-aware group: their prompts feed the prefix index.
+    prefix_models: HashSet<String>,
 }
 
 impl AppContext {
@@ -142,6 +157,7 @@ impl AppContext {
     /// startup, never at request time.
     pub fn new(config: RouterConfig, handles: StateHandles) -> Result<Self, ConfigErrors> {
         let resolvers = build_resolvers(&config, &handles)?;
+        let prefix_models = prefix_budgets(&config).0.into_keys().collect();
         let workers: Arc<[Arc<Worker>]> = WorkerRegistry::from_config(&config).all().to_vec().into();
         let upstream = Upstream { mode: config.upstream.mode, header: config.upstream.header_name().to_string() };
         let breakers = config.circuit_breaker.clone().map(|c| CircuitBreakers::new(Arc::clone(&handles.host), c));
@@ -154,6 +170,7 @@ impl AppContext {
             unhealthy: Arc::default(),
             breakers,
             upstream,
+            prefix_models,
         })
     }
 
@@ -235,13 +252,17 @@ impl AppContext {
             input_tokens: facts.input_tokens,
             expected_peak_tokens: facts.expected_peak_tokens,
             token_ids: None,
+            prompt_text: self.prefix_models.contains(&facts.model).then(|| Arc::from(chat::prompt_text(&parsed))),
+            prefix_memo: Arc::default(),
             session_key: key(&model.session_id_header),
             routing_key: key(&model.routing_key_header),
         };
         let resolver = Arc::clone(resolver);
         let live = self.live_workers();
+        let prompt_text = request.prompt_text.clone();
         Ok(PendingChat {
             facts,
+            prompt_text,
             body: Some(parsed),
             selection: chat::select(resolver, live, request),
             upstream: self.upstream.clone(),

@@ -26,3 +26,6 @@ pub const LOAD_TABLE: &str = "sgl.load";
 pub fn version_of(table: &str) -> String {
     format!("{table}.version")
 }
+
+/// The queue filters send prefix events to; only the service registers it.
+pub const PREFIX_QUEUE: &str = "sgl.prefix.events";

@@ -9,5 +9,5 @@ mod log;
 mod radix;
 
 pub use events::{apply, PrefixEvent, Tier};
-pub use log::{PrefixLog, PrefixReplica, LOG_SLOTS};
+pub use log::{Budgets, PrefixLog, PrefixReplica, LOG_SLOTS};
 pub use radix::{PrefixMatch, RadixTree};

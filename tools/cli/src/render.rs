@@ -59,6 +59,7 @@ fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
                 {"tag_name": "bucket", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.bucket\\.([^.]+))$"},
                 {"tag_name": "outcome", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.outcome\\.([^.]+))$"},
                 {"tag_name": "limit", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.limit\\.([^.]+))$"},
+                {"tag_name": "vm", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.vm\\.([^.]+))$"},
             ]
         },
         "static_resources": {

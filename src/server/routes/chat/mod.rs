@@ -5,4 +5,4 @@ pub mod pd;
 mod prepare;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
-pub use prepare::{prepare, prepare_with_body, ChatFacts};
+pub use prepare::{prepare, prepare_with_body, prompt_text, ChatFacts, MAX_PROMPT_BYTES};

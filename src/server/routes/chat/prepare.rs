@@ -80,6 +80,41 @@ pub fn prepare_with_body(body: &[u8], bytes_per_token: u64) -> Result<(ChatFacts
     Ok((facts, obj))
 }
 
+/// The longest prompt the prefix index records; longer prompts are matched on this much.
+pub const MAX_PROMPT_BYTES: usize = 64 * 1024;
+
+/// The text the prefix index matches: each message's role and text, in order, cut at
+/// [`MAX_PROMPT_BYTES`] on a character boundary. Multi-turn histories extend it, so a session's
+/// next turn shares the previous turn's prefix.
+pub fn prompt_text(body: &Map<String, Value>) -> String {
+    let mut out = String::new();
+    for m in body.get("messages").and_then(Value::as_array).into_iter().flatten() {
+        out.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));
+        out.push_str(": ");
+        match m.get("content") {
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts.iter().filter(|p| p.get("type").and_then(Value::as_str) == Some("text")) {
+                    out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""));
+                }
+            }
+            _ => {}
+        }
+        out.push('\n');
+        if out.len() >= MAX_PROMPT_BYTES {
+            break;
+        }
+    }
+    if out.len() > MAX_PROMPT_BYTES {
+        let mut cut = MAX_PROMPT_BYTES;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+    }
+    out
+}
+
 /// UTF-8 bytes of a message's text: a string content, or the text parts of an array content.
 fn message_text_bytes(message: &Value) -> u64 {
     match message.get("content") {
