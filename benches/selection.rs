@@ -84,6 +84,8 @@ fn main() {
         input_tokens: 1000,
         expected_peak_tokens: Some(2000),
         token_ids: None,
+        prompt_text: None,
+        prefix_memo: None,
         session_key: None,
         routing_key: None,
     };
