@@ -337,6 +337,21 @@ impl Deployment {
     pub fn chat_with_headers(&self, body: &Value, headers: &[(&str, &str)]) -> Reply {
         send(&self.envoy.url("/v1/chat/completions"), "POST", Some(body), headers)
     }
+
+    /// Two clients with one kept-alive connection each. With the listener's `exact_balance`, the
+    /// second connection lands on the other worker VM while the first stays open.
+    pub fn two_vm_clients(&self) -> [ureq::Agent; 2] {
+        let (a, b) = (agent(), agent());
+        for client in [&a, &b] {
+            let r = send_with(client, &self.envoy.url("/v1/models"), "GET", None, &[]);
+            assert_eq!(r.status, 200);
+        }
+        [a, b]
+    }
+
+    pub fn chat_on(&self, client: &ureq::Agent, body: &Value, headers: &[(&str, &str)]) -> Reply {
+        send_with(client, &self.envoy.url("/v1/chat/completions"), "POST", Some(body), headers)
+    }
 }
 
 impl Drop for Deployment {
@@ -373,7 +388,11 @@ impl Reply {
 }
 
 pub fn send(url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> Reply {
-    let a = agent();
+    send_with(&agent(), url, method, body, headers)
+}
+
+/// [`send`] on a given agent, reusing its kept-alive connection.
+pub fn send_with(a: &ureq::Agent, url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> Reply {
     let result = match (method, body) {
         ("GET", _) => {
             let mut req = a.get(url);
