@@ -221,6 +221,37 @@ impl AdmissionGate {
         admit_or_reject(self.admission.as_ref(), engine, &metrics)
     }
 
+    /// Checks `ordered` engines in turn against the captured snapshot; the first admitted is the
+    /// pick. When every one is rejected, the outcome lists each rejection.
+    pub fn first_admitted<'w>(
+        &self,
+        ordered: impl IntoIterator<Item = &'w std::sync::Arc<Worker>>,
+        snapshot: &crate::state::load_monitor::LoadSnapshot,
+        reason: super::PickReason,
+    ) -> Result<super::Pick, PickError> {
+        let mut rejections = Vec::new();
+        for worker in ordered {
+            match self.check_with(worker, snapshot.get(&worker.id)) {
+                Ok(()) => return Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason }),
+                Err(PickError::AdmissionRejected(r)) => rejections.push(r),
+                Err(other) => return Err(other),
+            }
+        }
+        Err(PickError::NoAdmissibleEngine { rejections })
+    }
+
+    /// Takes `engines[index]` and checks it once: the rotation and random policies' whole answer.
+    pub fn checked_pick(
+        &self,
+        engines: &[std::sync::Arc<Worker>],
+        index: usize,
+        reason: super::PickReason,
+    ) -> Result<super::Pick, PickError> {
+        let worker = engines.get(index).ok_or_else(|| PickError::no_candidates("no candidate at the chosen index"))?;
+        self.check(worker)?;
+        Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason })
+    }
+
     /// Checks an engine chosen without load observations; reads the current report only when a
     /// cap needs one.
     pub fn check(&self, engine: &Worker) -> Result<(), PickError> {

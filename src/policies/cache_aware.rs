@@ -280,16 +280,9 @@ impl CacheAwarePolicy {
         if usable.is_empty() {
             return self.load_fallback(engines, &snapshot, PickReason::PressureGuard);
         }
-        let mut rejections = Vec::new();
-        for holder in self.preferred_order(usable, request.input_tokens, &snapshot) {
-            match self.gate.check_with(&holder.worker, snapshot.get(&holder.worker.id)) {
-                Ok(()) => return Ok(Pick { worker: holder.worker, reason }),
-                Err(PickError::AdmissionRejected(r)) => rejections.push(r),
-                Err(other) => return Err(other),
-            }
-        }
         // Hard rejection of every bounded holder never turns into a cold fallback.
-        Err(PickError::NoAdmissibleEngine { rejections })
+        let ordered = self.preferred_order(usable, request.input_tokens, &snapshot);
+        self.gate.first_admitted(ordered.iter().map(|h| &h.worker), &snapshot, reason)
     }
 }
 

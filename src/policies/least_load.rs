@@ -54,15 +54,7 @@ impl LeastLoadPolicy {
             Err(other) => return Err(other),
         }
         ranked.sort_by_key(key);
-        let mut rejections = Vec::new();
-        for (_, _, worker) in ranked {
-            match self.gate.check_with(worker, snapshot.get(&worker.id)) {
-                Ok(()) => return Ok(Pick { worker: Arc::clone(worker), reason: PickReason::LeastLoad }),
-                Err(PickError::AdmissionRejected(r)) => rejections.push(r),
-                Err(other) => return Err(other),
-            }
-        }
-        Err(PickError::NoAdmissibleEngine { rejections })
+        self.gate.first_admitted(ranked.into_iter().map(|(_, _, w)| w), &snapshot, PickReason::LeastLoad)
     }
 }
 

@@ -24,16 +24,11 @@ impl Policy for RandomPolicy {
         engines: &'a [Arc<Worker>],
         _request: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready((|| {
-            if engines.is_empty() {
-                return Err(PickError::no_candidates("random has no candidates"));
-            }
-            let worker = engines
-                .get(self.random.below(engines.len()))
-                .ok_or_else(|| PickError::no_candidates("random index out of range"))?;
-            self.gate.check(worker)?;
-            Ok(Pick { worker: Arc::clone(worker), reason: PickReason::Random })
-        })())
+        ready(if engines.is_empty() {
+            Err(PickError::no_candidates("random has no candidates"))
+        } else {
+            self.gate.checked_pick(engines, self.random.below(engines.len()), PickReason::Random)
+        })
     }
 }
 

@@ -70,15 +70,12 @@ impl Policy for RoundRobinPolicy {
         engines: &'a [Arc<Worker>],
         _request: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready((|| {
-            if engines.is_empty() {
-                return Err(PickError::no_candidates("round_robin has no candidates"));
-            }
+        ready(if engines.is_empty() {
+            Err(PickError::no_candidates("round_robin has no candidates"))
+        } else {
             let index = (self.cursor.next_ticket() % engines.len() as u64) as usize;
-            let worker = engines.get(index).ok_or_else(|| PickError::no_candidates("cursor out of range"))?;
-            self.gate.check(worker)?;
-            Ok(Pick { worker: Arc::clone(worker), reason: PickReason::Rotation })
-        })())
+            self.gate.checked_pick(engines, index, PickReason::Rotation)
+        })
     }
 }
 
