@@ -4,7 +4,6 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -15,6 +14,7 @@ use serde_json::{json, Value};
 
 use crate::control;
 use crate::engine::{Engine, RequestRecord, Role, BYTES_PER_TOKEN};
+use crate::kv;
 use crate::pd;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -87,6 +87,9 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
     if let Some(r) = control::apply(fault, "chat").await {
         return r;
     }
+    if let Some(r) = command_line_faults(engine).await {
+        return r;
+    }
     if engine.role != Role::Plain && rooms.is_empty() {
         return error(
             StatusCode::BAD_REQUEST,
@@ -110,20 +113,26 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
     let Some(mut slot) = engine.admit(prompt).await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
-    let delay = engine.token_delay();
     let choices = body.get("n").and_then(Value::as_u64).unwrap_or(1).clamp(1, 128);
     let budget = body
         .get("max_completion_tokens")
         .and_then(Value::as_u64)
         .or_else(|| body.get("max_tokens").and_then(Value::as_u64));
 
-    // Prefill: one step over the prompt, then the rooms are ready for their decode engines.
-    let prefill_started = Instant::now();
-    tokio::time::sleep(delay).await;
-    engine.prefill_tokens_total.fetch_add(prompt, Ordering::SeqCst);
-    engine
-        .prefill_busy_us_total
-        .fetch_add(u64::try_from(prefill_started.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::SeqCst);
+    // Prefill: the uncached part of the prompt at the engine's throughput, one prefill at a
+    // time; then the rooms are ready for their decode engines.
+    let prompt_ids = kv::tokenize(&prompt_text(&body));
+    let cached = if engine.role == Role::Decode { prompt_ids.len() as u64 } else { engine.cache.serve(&prompt_ids) };
+    let uncached = (prompt_ids.len() as u64).saturating_sub(cached);
+    {
+        let _prefill = engine.prefill_lock.lock().await;
+        let busy = engine.prefill_time(uncached);
+        tokio::time::sleep(busy).await;
+        engine.prefill_tokens_total.fetch_add(uncached, Ordering::SeqCst);
+        engine
+            .prefill_busy_us_total
+            .fetch_add(u64::try_from(busy.as_micros()).unwrap_or(u64::MAX).max(1), Ordering::SeqCst);
+    }
     let tokens = if engine.role == Role::Prefill {
         for room in &rooms {
             engine.rooms.finish(*room);
@@ -148,7 +157,7 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
 
     if !stream {
         for _ in 1..tokens {
-            tokio::time::sleep(delay).await;
+            tokio::time::sleep(engine.decode_step()).await;
             slot.add_kv_token();
         }
         drop(slot);
@@ -178,7 +187,7 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
         }
         for t in 0..tokens {
             if t > 0 {
-                tokio::time::sleep(delay).await;
+                tokio::time::sleep(engine_for_stream.decode_step()).await;
                 slot.add_kv_token();
             }
             for c in 0..choices {
@@ -201,6 +210,44 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
     };
     ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(events))
         .into_response()
+}
+
+/// The faults given on the command line: added latency, an error rate, hanging, crashing.
+async fn command_line_faults(engine: &Engine) -> Option<Response> {
+    let args = &engine.args;
+    let served = engine.chat_requests.fetch_add(1, Ordering::SeqCst) + 1;
+    if args.crash_after.is_some_and(|n| served > n) {
+        eprintln!("sgl-sim {}: crashing after {} requests, as asked", engine.id, served - 1);
+        std::process::exit(3);
+    }
+    if args.fault_latency_ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(args.fault_latency_ms)).await;
+    }
+    if args.fault_hang {
+        std::future::pending::<()>().await;
+    }
+    (args.fault_error_rate > 0.0 && engine.fault_draw() < args.fault_error_rate)
+        .then(|| error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", "simulated engine error"))
+}
+
+/// What the engine's cache sees: each message's role and text, as the router's prefix index does.
+fn prompt_text(body: &Value) -> String {
+    let mut out = String::new();
+    for m in body.get("messages").and_then(Value::as_array).into_iter().flatten() {
+        out.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));
+        out.push_str(": ");
+        match m.get("content") {
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""));
+                }
+            }
+            _ => {}
+        }
+        out.push('\n');
+    }
+    out
 }
 
 struct Meta {

@@ -135,6 +135,12 @@ pub async fn state(State(engine): State<Arc<Engine>>) -> Response {
         "kv_used": engine.kv_used.load(Ordering::SeqCst),
         "served": engine.served.load(Ordering::SeqCst),
         "rooms_finished": engine.rooms.finished_count(),
+        "cache": {
+            "cached_tokens": engine.cache.hit_rate().0,
+            "prompt_tokens": engine.cache.hit_rate().1,
+            "hit_rate": crate::loads::hit_rate(&engine),
+            "cached_blocks": engine.cache.cached_blocks(),
+        },
         "control": engine.control().clone(),
         "recent": recent,
     }))

@@ -66,6 +66,27 @@ pub struct Args {
     /// How long a decode engine waits for its prefill engine to finish a room.
     #[arg(long, default_value_t = 30_000)]
     pub bootstrap_timeout_ms: u64,
+    /// Prefill throughput: uncached prompt tokens processed per second (one prefill at a time).
+    #[arg(long, default_value_t = 50_000.0)]
+    pub prefill_tps: f64,
+    /// Each decode step takes this much longer per other running request (0.02 = 2 %).
+    #[arg(long, default_value_t = 0.02)]
+    pub batch_slowdown: f64,
+    /// Multiplies every simulated duration, so long workloads run fast.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Added to every chat request before it is served.
+    #[arg(long, default_value_t = 0)]
+    pub fault_latency_ms: u64,
+    /// Fraction of chat requests answered with 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_error_rate: f64,
+    /// Chat requests never answer.
+    #[arg(long)]
+    pub fault_hang: bool,
+    /// The process exits after serving this many chat requests.
+    #[arg(long)]
+    pub crash_after: Option<u64>,
 }
 
 /// Bytes per simulated token, as the router's default estimator counts.
@@ -104,6 +125,11 @@ pub struct Engine {
     pub rooms: Rooms,
     pub recent: Mutex<Vec<RequestRecord>>,
     pub client: reqwest::Client,
+    pub cache: crate::kv::PrefixCache,
+    /// One prefill at a time, as an engine's prefill batch runs.
+    pub prefill_lock: tokio::sync::Mutex<()>,
+    pub chat_requests: AtomicU64,
+    fault_rng: AtomicU64,
 }
 
 impl Engine {
@@ -130,6 +156,10 @@ impl Engine {
             rooms: Rooms::default(),
             recent: Mutex::new(Vec::new()),
             client: reqwest::Client::new(),
+            cache: crate::kv::PrefixCache::new(args.kv_capacity),
+            prefill_lock: tokio::sync::Mutex::new(()),
+            chat_requests: AtomicU64::new(0),
+            fault_rng: AtomicU64::new(u64::from(args.port).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             args,
         }
     }
@@ -180,8 +210,30 @@ impl Engine {
         }
     }
 
-    pub fn token_delay(&self) -> Duration {
-        Duration::from_millis(self.control().token_delay_ms)
+    pub fn scaled(&self, ms: f64) -> Duration {
+        Duration::from_secs_f64((ms * self.args.time_scale).max(0.0) / 1000.0)
+    }
+
+    /// One decode step: the base per-token delay, slower with every other running request.
+    pub fn decode_step(&self) -> Duration {
+        let base = self.control().token_delay_ms as f64;
+        let others = self.running.load(Ordering::SeqCst).saturating_sub(1) as f64;
+        self.scaled(base * (1.0 + self.args.batch_slowdown * others))
+    }
+
+    /// Prefill time of `uncached` tokens at the configured throughput.
+    pub fn prefill_time(&self, uncached: u64) -> Duration {
+        self.scaled(uncached as f64 * 1000.0 / self.args.prefill_tps.max(1.0))
+    }
+
+    /// A uniform draw in [0, 1) for fault injection (xorshift; no shared RNG needed).
+    pub fn fault_draw(&self) -> f64 {
+        let mut x = self.fault_rng.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.fault_rng.store(x, Ordering::Relaxed);
+        (x >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

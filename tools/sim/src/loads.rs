@@ -87,6 +87,16 @@ pub async fn get_load(State(engine): State<Arc<Engine>>) -> Response {
     Json(loads).into_response()
 }
 
+/// Cached / prompt tokens over the engine's life.
+pub fn hit_rate(engine: &Engine) -> f64 {
+    let (cached, total) = engine.cache.hit_rate();
+    if total == 0 {
+        0.0
+    } else {
+        cached as f64 / total as f64
+    }
+}
+
 pub async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
     if let Some(r) = load_fault(&engine).await {
         return r;
@@ -103,6 +113,7 @@ pub async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
         ("sglang:max_total_num_tokens", "gauge", capacity.to_string()),
         ("sglang:token_usage", "gauge", format!("{usage:.6}")),
         ("sglang:prompt_tokens_total", "counter", engine.prefill_tokens_total.load(Ordering::SeqCst).to_string()),
+        ("sglang:cache_hit_rate", "gauge", format!("{:.6}", hit_rate(&engine))),
     ] {
         text.push_str(&format!("# HELP {name} simulated\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}\n"));
     }

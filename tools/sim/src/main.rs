@@ -6,6 +6,7 @@ mod chat;
 mod control;
 mod engine;
 mod info;
+mod kv;
 mod loads;
 mod pd;
 
