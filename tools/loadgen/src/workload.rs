@@ -34,7 +34,6 @@ pub struct Workload {
     left: usize,
     sessions: Vec<Session>,
     busy: HashSet<usize>,
-    next_session: usize,
     system_prompts: Vec<String>,
     question_tokens: usize,
     output_tokens: u64,
@@ -77,7 +76,6 @@ impl Workload {
             left: args.requests,
             sessions,
             busy: HashSet::new(),
-            next_session: 0,
             system_prompts: (0..args.groups.max(1)).map(|g| text(1_000 + g as u64, args.system_tokens)).collect(),
             question_tokens: args.question_tokens,
             output_tokens: args.output_tokens,
@@ -120,13 +118,11 @@ impl Workload {
                 }
             }
             Kind::SharedPrefix => {
-                // The next session without a request in flight (sessions are sequential).
+                // A random session without a request in flight (a session's turns are sequential),
+                // so arrival order cannot line sessions up with any router's rotation.
                 let n = self.sessions.len().max(1);
-                let index = (0..n)
-                    .map(|k| (self.next_session + k) % n)
-                    .find(|i| !self.busy.contains(i))
-                    .unwrap_or(self.next_session % n);
-                self.next_session = (index + 1) % n;
+                let start = (self.rng.next_u64() % n as u64) as usize;
+                let index = (0..n).map(|k| (start + k) % n).find(|i| !self.busy.contains(i)).unwrap_or(start);
                 self.busy.insert(index);
                 let question = json!({"role": "user", "content": text(seed * 7919, self.question_tokens)});
                 let system = self.system_prompts.get(self.sessions[index].group).cloned().unwrap_or_default();
