@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
 use common::*;
 use serde_json::{json, Value};
 
@@ -53,9 +51,8 @@ fn a_pd_request_reaches_the_chosen_pair_with_one_shared_room_and_streams_after_t
     prefill.control(json!({"prefill_linger_ms": 1500}));
     let mut body = chat_body("what is a bootstrap room?", 12, true);
     body["bootstrap_room"] = json!(7); // a client-sent room is overwritten
-    let sent = Instant::now();
     let r = d.chat(&body);
-    let took = sent.elapsed();
+    let received_ms = now_unix_ms();
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!((r.header("x-sgl-prefill-worker"), r.header("x-sgl-worker")), (Some("P1"), Some("D1")));
     assert_eq!(r.engine(), "D1");
@@ -85,7 +82,7 @@ fn a_pd_request_reaches_the_chosen_pair_with_one_shared_room_and_streams_after_t
     let decode_done = dec["finished_ms"].as_u64().unwrap();
     let prefill_done = p["finished_ms"].as_u64().unwrap();
     assert!(decode_done < prefill_done, "the decode stream was ready before the prefill answered");
-    assert!(took >= Duration::from_millis(1400), "the response was released only after the prefill: {took:?}");
+    assert!(received_ms >= prefill_done, "the response was released only after the prefill answered");
     d.wait_for_idle(&["P1", "D1"]);
 }
 
@@ -94,7 +91,7 @@ fn a_failing_prefill_engine_gives_502_prefill_failed_and_counts_return_to_zero()
     let d = single_pair("pd_prefill_fails");
     d.sim("P1").control(json!({"chat": {"status": 500}}));
     for stream in [false, true] {
-        let started = Instant::now();
+        // The agent's own timeout would fail this if anything hung.
         let r = d.chat(&chat_body("doomed", 4, stream));
         assert_eq!(r.status, 502, "{}", r.body);
         assert!(r.header("content-type").unwrap_or_default().starts_with("application/json"));
@@ -102,7 +99,6 @@ fn a_failing_prefill_engine_gives_502_prefill_failed_and_counts_return_to_zero()
         assert_eq!(v["error"]["type"], "PrefillFailed");
         assert_eq!(v["error"]["code"], 502);
         assert!(r.header("x-sim-engine").is_none(), "nothing of the decode response reached the client");
-        assert!(started.elapsed() < Duration::from_secs(5), "nothing hangs");
     }
     d.wait_for_idle(&["P1", "D1"]);
 }
@@ -112,11 +108,11 @@ fn a_decode_error_goes_to_the_client_at_once() {
     let d = single_pair("pd_decode_fails");
     d.sim("D1").control(json!({"chat": {"status": 503}}));
     d.sim("P1").control(json!({"prefill_linger_ms": 3000}));
-    let started = Instant::now();
     let r = d.chat(&chat_body("x", 4, false));
     assert_eq!(r.status, 503);
     assert_eq!(r.engine(), "D1");
-    assert!(started.elapsed() < Duration::from_millis(2500), "not held for the prefill");
+    // Not held for the prefill: its answer is still lingering when the client has the error.
+    assert_eq!(last_record(d.sim("P1"))["finished_ms"], Value::Null, "the prefill had not answered yet");
     d.wait_for_idle(&["P1", "D1"]);
 }
 

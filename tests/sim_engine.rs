@@ -195,3 +195,57 @@ fn registration_endpoints_describe_the_engine() {
     assert_eq!(send(&sim.url("/v1/models"), "GET", None, &[]).json()["data"][0]["id"], "m1");
     assert_eq!(send(&sim.url("/health_generate"), "GET", None, &[]).status, 200);
 }
+
+fn loads(sim: &Sim) -> Value {
+    send(&sim.url("/v1/loads"), "GET", None, &[]).json()["loads"][0].clone()
+}
+
+#[test]
+fn a_shared_prompt_is_prefilled_once_and_reused_from_the_cache() {
+    let dir = scratch_dir("sim_cache");
+    let sim = Sim::start(SimSpec::plain("A"), &dir);
+    let system = "shared system prompt text ".repeat(40); // ~250 tokens
+    let ask = |q: &str| {
+        let body = json!({"model": "demo-model", "max_tokens": 1,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]});
+        assert_eq!(post(&sim, &body).status, 200);
+    };
+    ask("first");
+    let after_first = loads(&sim)["total_prefill_uncached_tokens"].as_u64().unwrap();
+    ask("second");
+    let second = loads(&sim)["total_prefill_uncached_tokens"].as_u64().unwrap() - after_first;
+    assert!(after_first >= 250, "the first prompt is prefilled whole: {after_first}");
+    assert!(second < 32, "the second reuses the shared prefix: {second} uncached tokens");
+    let cache = &sim.state()["cache"];
+    assert!(cache["cached_tokens"].as_u64().unwrap() >= 240);
+    assert!(cache["hit_rate"].as_f64().unwrap() > 0.4);
+    let metrics = send(&sim.url("/metrics"), "GET", None, &[]).body;
+    assert!(metrics.contains("sglang:cache_hit_rate{"), "{metrics}");
+}
+
+#[test]
+fn command_line_faults_fail_requests_and_crash_the_engine() {
+    let dir = scratch_dir("sim_flags");
+    let mut spec = SimSpec::plain("E");
+    spec.extra = vec!["--fault-error-rate".into(), "1.0".into()];
+    let failing = Sim::start(spec, &dir);
+    for _ in 0..3 {
+        assert_eq!(post(&failing, &chat_body("x", 1, false)).status, 500);
+    }
+    let mut spec = SimSpec::plain("C");
+    spec.extra = vec!["--crash-after".into(), "2".into()];
+    let crashing = Sim::start(spec, &dir);
+    assert_eq!(post(&crashing, &chat_body("x", 1, false)).status, 200);
+    assert_eq!(post(&crashing, &chat_body("x", 1, false)).status, 200);
+    let third = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .new_agent()
+        .post(&crashing.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .send(chat_body("x", 1, false).to_string());
+    assert!(third.is_err(), "the engine crashed instead of answering");
+    wait_for("the crashed engine to stop listening", Duration::from_secs(5), || {
+        agent().get(&crashing.url("/health")).call().is_err().then_some(())
+    });
+}

@@ -129,6 +129,8 @@ pub struct SimSpec {
     pub max_running: usize,
     pub dp_size: u32,
     pub bootstrap_timeout_ms: u64,
+    /// More sgl-sim flags.
+    pub extra: Vec<String>,
 }
 
 impl SimSpec {
@@ -141,6 +143,7 @@ impl SimSpec {
             max_running: 64,
             dp_size: 1,
             bootstrap_timeout_ms: 5_000,
+            extra: Vec::new(),
         }
     }
 
@@ -178,6 +181,7 @@ impl Sim {
         if let Some(b) = bootstrap_port {
             cmd.args(["--bootstrap-port", &b.to_string()]);
         }
+        cmd.args(&spec.extra);
         let process = Process::spawn(&format!("sim {}", spec.id), &mut cmd, dir.join(format!("sim-{}.log", spec.id)));
         let sim = Self { spec, port, bootstrap_port, process };
         let a = agent();
