@@ -175,6 +175,9 @@ fn a_shared_system_prompt_goes_to_its_holder_on_every_vm_until_the_pressure_guar
     // Requests decided by both VMs saw the same owner: the replicas agree.
     assert_both_vms(&replies);
     assert!(d.envoy.metric("sgl_router_requests_total{outcome=\"routed\"}").unwrap_or(0.0) >= 21.0);
+    let hits = d.envoy.metric("sgl_router_pick_reasons_total{stage=\"plain\",reason=\"cache_hit\"}").unwrap_or(0.0);
+    let misses = d.envoy.metric("sgl_router_pick_reasons_total{stage=\"plain\",reason=\"cache_miss\"}").unwrap_or(0.0);
+    assert!(hits >= 20.0 && misses >= 1.0, "hits {hits}, misses {misses}: a miss and a hit are counted apart");
 
     d.sim(&holder).control(json!({"pin": {"waiting": 10}}));
     std::thread::sleep(Duration::from_millis(600));

@@ -49,12 +49,17 @@ pub fn selected(selection: &Selection) -> Vec<String> {
         vec![outcome("routed"), format!("sgl_router_bucket_selected_total.bucket.{}", label(&selection.bucket_id))];
     let pick =
         |stage: Role, worker: &str| format!("sgl_router_picks_total.stage.{}.worker.{}", stage.as_str(), label(worker));
-    match &selection.pick {
-        BucketPick::Plain(p) => names.push(pick(Role::Plain, &p.worker.id)),
-        BucketPick::Pd { prefill, decode } => {
-            names.push(pick(Role::Prefill, &prefill.worker.id));
-            names.push(pick(Role::Decode, &decode.worker.id));
-        }
+    // Why each engine was chosen: a cache hit, a confirmed miss and an unavailable index stay apart.
+    let reason = |stage: Role, p: &crate::policies::Pick| {
+        format!("sgl_router_pick_reasons_total.stage.{}.reason.{}", stage.as_str(), p.reason.as_str())
+    };
+    let stages: Vec<(Role, &crate::policies::Pick)> = match &selection.pick {
+        BucketPick::Plain(p) => vec![(Role::Plain, p)],
+        BucketPick::Pd { prefill, decode } => vec![(Role::Prefill, prefill), (Role::Decode, decode)],
+    };
+    for (stage, p) in stages {
+        names.push(pick(stage, &p.worker.id));
+        names.push(reason(stage, p));
     }
     names.extend(rejection_counters(selection.skipped.iter()));
     names
