@@ -79,7 +79,10 @@ fn an_admission_rejection_in_the_first_bucket_advances_and_all_rejected_is_a_503
 
 #[test]
 fn a_body_over_32_mib_is_a_413_from_the_filter() {
-    let d = Deployment::start("too_large", vec![SimSpec::plain("A")], |sims| {
+    // The engine prefills at once: a 31 MiB prompt would otherwise take minutes of simulated work.
+    let mut engine = SimSpec::plain("A");
+    engine.extra = vec!["--prefill-tps".into(), "1e12".into()];
+    let d = Deployment::start("too_large", vec![engine], |sims| {
         plain_with(sims, json!([{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]))
     });
     let big = "x".repeat(33 * 1024 * 1024);
