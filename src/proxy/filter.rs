@@ -236,7 +236,7 @@ impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         let app = self.app.borrow();
         for header in app.routing_headers() {
-            self.set_http_request_header(&header, None);
+            self.set_http_request_header(header, None);
         }
         let path = self.get_http_request_header(":path").unwrap_or_default();
         let path = path.split('?').next().unwrap_or_default();
@@ -250,18 +250,13 @@ impl HttpContext for Filter {
                 Action::Pause
             }
             ("POST", CHAT_PATH) => {
-                let key_headers: Vec<String> = app
-                    .config()
-                    .models
-                    .values()
-                    .flat_map(|m| [m.session_id_header.clone(), m.routing_key_header.clone()])
+                let found: Vec<(String, String)> = app
+                    .key_headers()
+                    .iter()
+                    .filter_map(|name| Some((name.clone(), self.get_http_request_header(name)?)))
                     .collect();
                 drop(app);
-                for name in key_headers {
-                    if let Some(value) = self.get_http_request_header(&name) {
-                        self.keys.insert(name, value);
-                    }
-                }
+                self.keys.extend(found);
                 self.is_chat = true;
                 // The pick is not known yet and a PD pick rewrites the body.
                 self.set_http_request_header("content-length", None);

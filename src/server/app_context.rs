@@ -150,6 +150,27 @@ pub struct AppContext {
     upstream: Upstream,
     /// Models with a cache-aware group: their prompts feed the prefix index.
     prefix_models: HashSet<String>,
+    routing_headers: Vec<String>,
+    key_headers: Vec<String>,
+}
+
+/// Headers a client may never set: the filter's own and every upstream-selection header.
+fn routing_headers(upstream_header: &str) -> Vec<String> {
+    let mut headers: Vec<String> = [
+        "x-sgl-cluster",
+        "x-gateway-destination-endpoint",
+        "x-sgl-bucket",
+        "x-sgl-worker",
+        "x-sgl-prefill-worker",
+        "x-sgl-vm",
+    ]
+    .iter()
+    .map(|h| h.to_string())
+    .collect();
+    if !headers.iter().any(|h| h == upstream_header) {
+        headers.push(upstream_header.to_string());
+    }
+    headers
 }
 
 impl AppContext {
@@ -158,7 +179,12 @@ impl AppContext {
     pub fn new(config: RouterConfig, handles: StateHandles) -> Result<Self, ConfigErrors> {
         let resolvers = build_resolvers(&config, &handles)?;
         let prefix_models = prefix_budgets(&config).0.into_keys().collect();
+        let mut key_headers: Vec<String> =
+            config.models.values().flat_map(|m| [m.session_id_header.clone(), m.routing_key_header.clone()]).collect();
+        key_headers.sort();
+        key_headers.dedup();
         let workers: Arc<[Arc<Worker>]> = WorkerRegistry::from_config(&config).all().to_vec().into();
+        let upstream_header_name = config.upstream.header_name().to_string();
         let upstream = Upstream { mode: config.upstream.mode, header: config.upstream.header_name().to_string() };
         let breakers = config.circuit_breaker.clone().map(|c| CircuitBreakers::new(Arc::clone(&handles.host), c));
         Ok(Self {
@@ -171,6 +197,8 @@ impl AppContext {
             breakers,
             upstream,
             prefix_models,
+            routing_headers: routing_headers(&upstream_header_name),
+            key_headers,
         })
     }
 
@@ -183,22 +211,13 @@ impl AppContext {
     }
 
     /// Headers a client may never set: the filter's own and every upstream-selection header.
-    pub fn routing_headers(&self) -> Vec<String> {
-        let mut headers: Vec<String> = [
-            "x-sgl-cluster",
-            "x-gateway-destination-endpoint",
-            "x-sgl-bucket",
-            "x-sgl-worker",
-            "x-sgl-prefill-worker",
-            "x-sgl-vm",
-        ]
-        .iter()
-        .map(|h| h.to_string())
-        .collect();
-        if !headers.iter().any(|h| h == &self.upstream.header) {
-            headers.push(self.upstream.header.clone());
-        }
-        headers
+    pub fn routing_headers(&self) -> &[String] {
+        &self.routing_headers
+    }
+
+    /// Every model's session and routing-key header names: read while request headers are readable.
+    pub fn key_headers(&self) -> &[String] {
+        &self.key_headers
     }
 
     /// The workers a request may use now: not unhealthy, breaker not open. The health table is
