@@ -114,15 +114,6 @@ impl WorkerRegistry {
     pub fn all(&self) -> &[Arc<Worker>] {
         &self.workers
     }
-
-    pub fn get(&self, id: &str) -> Option<&Arc<Worker>> {
-        self.workers.binary_search_by(|w| w.id.as_str().cmp(id)).ok().and_then(|i| self.workers.get(i))
-    }
-
-    /// Index of a worker in [`Self::all`]; stable for the registry's life.
-    pub fn index_of(&self, id: &str) -> Option<usize> {
-        self.workers.binary_search_by(|w| w.id.as_str().cmp(id)).ok()
-    }
 }
 
 #[cfg(test)]

@@ -7,28 +7,27 @@ use std::collections::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
+/// Metric ids by kind and name, looked up by `&str` so a hit allocates nothing.
 #[derive(Default)]
 pub struct Stats {
-    ids: RefCell<HashMap<(String, u8), u32>>,
-}
-
-fn kind_key(kind: MetricType) -> u8 {
-    match kind {
-        MetricType::Counter => 0,
-        MetricType::Gauge => 1,
-        _ => 2,
-    }
+    counters: RefCell<HashMap<String, u32>>,
+    gauges: RefCell<HashMap<String, u32>>,
+    histograms: RefCell<HashMap<String, u32>>,
 }
 
 impl Stats {
     fn id(&self, kind: MetricType, name: &str) -> Option<u32> {
-        let key = (name.to_string(), kind_key(kind));
-        if let Some(id) = self.ids.borrow().get(&key) {
+        let ids = match kind {
+            MetricType::Counter => &self.counters,
+            MetricType::Gauge => &self.gauges,
+            _ => &self.histograms,
+        };
+        if let Some(id) = ids.borrow().get(name) {
             return Some(*id);
         }
         match hostcalls::define_metric(kind, name) {
             Ok(id) => {
-                self.ids.borrow_mut().insert(key, id);
+                ids.borrow_mut().insert(name.to_string(), id);
                 Some(id)
             }
             Err(status) => {

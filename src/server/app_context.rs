@@ -50,7 +50,6 @@ pub struct Decision {
     /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
     /// to the service once the decision is carried out.
     pub prefix_event: Option<PrefixEvent>,
-    pub selection: Selection,
 }
 
 /// A finished selection and the counters it bumps.
@@ -128,12 +127,11 @@ impl PendingChat {
         Poll::Ready(ChatOutcome {
             counters,
             result: Ok(Decision {
-                bucket_id: selection.bucket_id.clone(),
+                bucket_id: selection.bucket_id,
                 upstream_header: self.upstream.header_for(target.upstream()),
                 target,
                 pd,
                 prefix_event,
-                selection,
             }),
         })
     }

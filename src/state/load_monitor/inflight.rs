@@ -25,10 +25,6 @@ impl InflightGuard {
         table.acquire(worker);
         Self { table, worker: worker.to_string() }
     }
-
-    pub fn worker(&self) -> &str {
-        &self.worker
-    }
 }
 
 impl Drop for InflightGuard {

@@ -47,10 +47,6 @@ impl LoadPoller {
         self.schedule.due(now_ms)
     }
 
-    pub fn worker(&self, index: usize) -> Option<&Arc<Worker>> {
-        self.workers.get(index)
-    }
-
     /// Records a finished poll. `body` is `Some` only for a 2xx answer. `dispatches` is the
     /// worker's dispatch counter now, so later readers can correct by what was sent since.
     pub fn record(

@@ -101,11 +101,6 @@ impl LoadTable {
         }
     }
 
-    /// A failed poll leaves the old samples to age out; nothing is reused once stale.
-    pub fn forget(&mut self, worker: &str) {
-        self.workers.remove(worker);
-    }
-
     /// Fresh, complete reports as of `now_ms`.
     pub fn snapshot(&self, now_ms: u64, stale_after_ms: u64) -> LoadSnapshot {
         self.snapshot_until(now_ms, stale_after_ms).0

@@ -3,6 +3,7 @@
 use serde_json::{json, Value};
 use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
 use sgl_envoy_router::registry::WorkerRegistry;
+use sgl_envoy_router::server::{ErrorKind, RouteError};
 
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
 const VM_ID: &str = "sgl_router";
@@ -96,8 +97,13 @@ fn plugin(root_id: &str, router_json: &str, options: &RenderOptions, http_filter
     config
 }
 
+/// The filter's own error shape (spec §4), for paths the router does not serve.
 fn not_found_body() -> String {
-    json!({"error": {"message": "no route for this path; the router serves POST /v1/chat/completions and GET /v1/models", "type": "not_found", "code": 404}}).to_string()
+    let error = RouteError::new(
+        ErrorKind::NotFound,
+        "no route for this path; the router serves POST /v1/chat/completions and GET /v1/models",
+    );
+    String::from_utf8_lossy(&error.body()).into_owned()
 }
 
 fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -> Value {
