@@ -8,13 +8,14 @@ use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use sgl_envoy_router::buckets::{Bucket, BucketGroups, BucketResolver, EngineGroup};
-use sgl_envoy_router::config::{AdmissionLimits, Role};
+use sgl_envoy_router::config::AdmissionLimits;
 use sgl_envoy_router::host::{Host, MemoryHost};
 use sgl_envoy_router::policies::admission::AdmissionGate;
 use sgl_envoy_router::policies::{
     LeastLoadPolicy, MemoryCursor, PickRequest, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, SeededRandom,
     SharedCursor,
 };
+use sgl_envoy_router::registry::Role;
 use sgl_envoy_router::registry::{EngineAddress, Worker};
 use sgl_envoy_router::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
 

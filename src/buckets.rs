@@ -6,27 +6,8 @@ use std::cmp::Ordering;
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::config::Role;
 use crate::policies::{BoxFuture, Pick, PickError, PickRequest, Policy};
-use crate::registry::Worker;
-
-/// The workers a request may use right now: the registry's workers (sorted by id) minus those
-/// health or the breaker took out.
-#[derive(Debug, Clone)]
-pub struct LiveWorkers {
-    workers: Arc<[Arc<Worker>]>,
-    unavailable: Arc<HashSet<String>>,
-}
-
-impl LiveWorkers {
-    pub fn new(workers: Arc<[Arc<Worker>]>, unavailable: Arc<HashSet<String>>) -> Self {
-        Self { workers, unavailable }
-    }
-
-    fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Worker>> + 'a {
-        self.workers.iter().filter(move |w| w.model == model && w.role == stage && !self.unavailable.contains(&w.id))
-    }
-}
+use crate::registry::{LiveWorkers, Role, Worker};
 
 /// Which workers a group may use: `None` in the configuration means all, `[]` means none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,10 +31,6 @@ impl EngineGroup {
 
     pub fn with_members(stage: Role, members: impl IntoIterator<Item = String>, policy: Arc<dyn Policy>) -> Self {
         Self { stage, membership: Membership::Only(members.into_iter().collect()), policy }
-    }
-
-    pub fn stage(&self) -> Role {
-        self.stage
     }
 
     /// Live workers of the model and this stage that belong to the group, sorted by stable id.

@@ -11,5 +11,8 @@ pub mod registry;
 pub mod server;
 pub mod state;
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 #[cfg(all(target_arch = "wasm32", feature = "proxy"))]
 mod proxy;

@@ -1,8 +1,11 @@
-//! WorkerRegistry: the live engines, their model and role (authoritative), and their address.
+//! WorkerRegistry (design "Data ownership"): the live engines, their model, role (authoritative)
+//! and health, and where each listens. Every other module speaks this vocabulary; the registry
+//! imports none of them.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
-use crate::config::{Role, RouterConfig, WorkerConfig};
+use serde::{Deserialize, Serialize};
 
 /// Where an engine listens, from its configured `url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +62,26 @@ impl EngineAddress {
     }
 }
 
+/// The stage an engine serves: a plain engine does a whole request; PD splits it into a prefill
+/// and a decode engine. The registry's role is authoritative when groups filter candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Plain,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Plain => "plain",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 /// An engine. Groups refer to workers by id; the registry owns them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Worker {
@@ -72,47 +95,67 @@ pub struct Worker {
     pub dp_size: u32,
 }
 
-/// The Envoy cluster of a worker: configured, else `sgl_<id>`.
-pub fn cluster_name(w: &WorkerConfig) -> String {
-    w.cluster.clone().unwrap_or_else(|| format!("sgl_{}", w.id))
-}
-
 /// SGLang's default bootstrap port, used when a prefill worker does not name one.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
+/// Which workers are out of service right now (failed health checks, an open breaker). The
+/// registry asks it once per request; shared state implements it.
+pub trait Availability: Send + Sync + std::fmt::Debug {
+    fn unavailable(&self) -> Arc<HashSet<String>>;
+}
+
+/// Every worker is available: for the service, which monitors workers rather than routes to them,
+/// and for tests.
 #[derive(Debug, Default)]
+pub struct AllAvailable;
+
+impl Availability for AllAvailable {
+    fn unavailable(&self) -> Arc<HashSet<String>> {
+        Arc::default()
+    }
+}
+
+/// The live engines: every configured worker (sorted by id), its model and role, and its health.
+#[derive(Debug)]
 pub struct WorkerRegistry {
-    workers: Vec<Arc<Worker>>,
+    workers: Arc<[Arc<Worker>]>,
+    availability: Arc<dyn Availability>,
 }
 
 impl WorkerRegistry {
-    /// Builds the registry from a validated configuration; a worker whose URL does not parse was
-    /// already refused by validation, so it is skipped here rather than failing twice.
-    pub fn from_config(config: &RouterConfig) -> Self {
-        let mut workers: Vec<Arc<Worker>> = config
-            .workers
-            .iter()
-            .filter_map(|w| {
-                let address = EngineAddress::parse(&w.url).ok()?;
-                Some(Arc::new(Worker {
-                    id: w.id.clone(),
-                    model: w.model.clone(),
-                    role: w.role,
-                    address,
-                    cluster: cluster_name(w),
-                    bootstrap_port: (w.role == Role::Prefill)
-                        .then(|| w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT)),
-                    dp_size: w.dp_size,
-                }))
-            })
-            .collect();
+    pub fn new(workers: impl IntoIterator<Item = Worker>, availability: Arc<dyn Availability>) -> Self {
+        let mut workers: Vec<Arc<Worker>> = workers.into_iter().map(Arc::new).collect();
         workers.sort_by(|a, b| a.id.cmp(&b.id));
-        Self { workers }
+        Self { workers: workers.into(), availability }
     }
 
-    /// Every worker, sorted by id.
+    /// Every worker, sorted by id, whatever its health.
     pub fn all(&self) -> &[Arc<Worker>] {
         &self.workers
+    }
+
+    /// The workers a request may use now, read once for the whole request.
+    pub fn live(&self) -> LiveWorkers {
+        LiveWorkers { workers: Arc::clone(&self.workers), unavailable: self.availability.unavailable() }
+    }
+}
+
+/// One request's view of the registry: the workers minus those health or the breaker took out.
+#[derive(Debug, Clone)]
+pub struct LiveWorkers {
+    workers: Arc<[Arc<Worker>]>,
+    unavailable: Arc<HashSet<String>>,
+}
+
+impl LiveWorkers {
+    /// A fixed view, for tests and benchmarks.
+    pub fn new(workers: Arc<[Arc<Worker>]>, unavailable: Arc<HashSet<String>>) -> Self {
+        Self { workers, unavailable }
+    }
+
+    /// Available workers of `model` serving `stage`, in id order.
+    pub fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Worker>> + 'a {
+        self.workers.iter().filter(move |w| w.model == model && w.role == stage && !self.unavailable.contains(&w.id))
     }
 }
 
@@ -138,6 +181,35 @@ mod tests {
         let a = EngineAddress::parse("http://[::1]:8000").unwrap();
         assert_eq!(a.host, "::1");
         assert_eq!(a.host_port(), "[::1]:8000");
+    }
+
+    #[test]
+    fn live_workers_leave_out_the_unavailable_and_keep_id_order() {
+        #[derive(Debug)]
+        struct Down(&'static str);
+        impl Availability for Down {
+            fn unavailable(&self) -> Arc<HashSet<String>> {
+                Arc::new([self.0.to_string()].into_iter().collect())
+            }
+        }
+        let worker = |id: &str, role| Worker {
+            id: id.into(),
+            model: "m".into(),
+            role,
+            address: EngineAddress { host: "h".into(), port: 1 },
+            cluster: format!("sgl_{id}"),
+            bootstrap_port: None,
+            dp_size: 1,
+        };
+        let registry = WorkerRegistry::new(
+            [worker("C", Role::Plain), worker("A", Role::Plain), worker("B", Role::Plain), worker("P", Role::Prefill)],
+            Arc::new(Down("B")),
+        );
+        let live = registry.live();
+        let ids: Vec<&str> = live.serving("m", Role::Plain).map(|w| w.id.as_str()).collect();
+        assert_eq!(ids, ["A", "C"]);
+        assert_eq!(live.serving("other", Role::Plain).count(), 0);
+        assert_eq!(registry.all().len(), 4);
     }
 
     #[test]

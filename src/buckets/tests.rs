@@ -4,8 +4,8 @@ use std::sync::{Arc, Mutex};
 use proptest::prelude::*;
 
 use super::*;
-use crate::policies::testing::{now, worker_with};
 use crate::policies::{PickReason, PickRequest};
+use crate::testing::{now, worker_with};
 
 type Answer = Box<dyn Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send>;
 
@@ -76,7 +76,7 @@ fn ids(buckets: &[Arc<Bucket>]) -> Vec<&str> {
 }
 
 fn request(stage: Role) -> PickRequest<'static> {
-    crate::policies::testing::request(stage)
+    crate::testing::request(stage)
 }
 
 // ---- BucketResolver::resolve (design §3) ----

@@ -1,8 +1,8 @@
-//! Router configuration: parsing with field paths, validation, and refusal of dropped options.
-//! The filter, the service and the CLI all go through [`parse_and_validate`].
+//! Router configuration, a leaf that describes: serde types, validation with field paths, and
+//! refusal of dropped options. The filter, the service, the CLI and the indexer all go through
+//! [`parse_and_validate`]; what the configuration builds is built by `server::factory`.
 
 mod dropped;
-pub mod factory;
 mod types;
 mod validate;
 

@@ -1,6 +1,7 @@
 use serde_json::{json, Value};
 
 use super::*;
+use crate::registry::Role;
 
 fn minimal() -> Value {
     json!({

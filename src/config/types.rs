@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::registry::Role;
+
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
@@ -30,24 +32,6 @@ pub struct RouterConfig {
     pub models: BTreeMap<String, ModelConfig>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    Plain,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Plain => "plain",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
@@ -62,6 +46,13 @@ pub struct WorkerConfig {
     pub cluster: Option<String>,
     #[serde(default = "defaults::dp_size")]
     pub dp_size: u32,
+}
+
+impl WorkerConfig {
+    /// The Envoy cluster of this worker: configured, else `sgl_<id>`.
+    pub fn cluster_name(&self) -> String {
+        self.cluster.clone().unwrap_or_else(|| format!("sgl_{}", self.id))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]

@@ -3,8 +3,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{AdmissionLimits, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, Role, RouterConfig};
+use super::{AdmissionLimits, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, RouterConfig};
 use crate::registry::EngineAddress;
+use crate::registry::Role;
 
 pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
     let mut errors = Vec::new();
@@ -45,7 +46,7 @@ fn validate_workers<'a>(config: &'a RouterConfig, errors: &mut Vec<ConfigError>)
         if w.dp_size == 0 {
             errors.push(ConfigError::new(format!("{path}.dp_size"), "must be at least 1"));
         }
-        let cluster = crate::registry::cluster_name(w);
+        let cluster = w.cluster_name();
         if !is_cluster_name(&cluster) {
             errors.push(ConfigError::new(
                 format!("{path}.cluster"),

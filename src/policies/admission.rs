@@ -124,7 +124,7 @@ pub fn admit_or_reject(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policies::testing::worker;
+    use crate::testing::worker;
 
     fn check(limits: AdmissionLimits, m: EngineMetrics) -> Admission {
         limits.check(&worker("A"), &m).unwrap()

@@ -1,10 +1,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::*;
-use crate::config::{AdmissionLimits, PressureGuard, Role};
-use crate::policies::testing::*;
+use crate::config::{AdmissionLimits, PressureGuard};
 use crate::policies::{Limit, Rejection, SeededRandom};
+use crate::registry::Role;
 use crate::state::kv_events::Tier;
+use crate::testing::*;
 
 /// A source with fixed answers that counts lookups.
 #[derive(Debug)]

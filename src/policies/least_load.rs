@@ -71,10 +71,11 @@ impl Policy for LeastLoadPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AdmissionLimits, Role};
-    use crate::policies::testing::*;
+    use crate::config::AdmissionLimits;
     use crate::policies::{Limit, Rejection};
+    use crate::registry::Role;
     use crate::state::load_monitor::InflightTable;
+    use crate::testing::*;
 
     fn pick(s: &State, limits: AdmissionLimits, ids: &[&str]) -> Result<Pick, PickError> {
         now(LeastLoadPolicy::new(s.gate(limits)).pick(&workers(ids), &request(Role::Plain)))

@@ -27,8 +27,8 @@ pub use round_robin::{MemoryCursor, RoundRobinCursor, RoundRobinPolicy, SharedCu
 pub use session_aware::SessionAwarePolicy;
 pub use sticky::StickyPolicy;
 
-use crate::config::Role;
 use crate::host::Host;
+use crate::registry::Role;
 use crate::registry::Worker;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -198,6 +198,3 @@ impl RandomSource for SeededRandom {
         }
     }
 }
-
-#[cfg(test)]
-pub(crate) mod testing;

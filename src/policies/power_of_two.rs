@@ -85,9 +85,10 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::config::{AdmissionLimits, Role};
-    use crate::policies::testing::*;
+    use crate::config::AdmissionLimits;
     use crate::policies::{Limit, Rejection, SeededRandom};
+    use crate::registry::Role;
+    use crate::testing::*;
 
     /// Replays fixed draws so a test decides which two engines are sampled.
     #[derive(Debug)]

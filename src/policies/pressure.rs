@@ -3,7 +3,7 @@
 
 use std::cmp::Ordering;
 
-use crate::config::Role;
+use crate::registry::Role;
 use crate::state::load_monitor::EngineLoad;
 
 fn by<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Ordering {
@@ -40,7 +40,7 @@ pub fn compare_for_stage(stage: Role, a: &EngineLoad, b: &EngineLoad) -> Orderin
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policies::testing::native_load;
+    use crate::testing::native_load;
 
     #[test]
     fn prefill_compares_queue_time_first() {

@@ -37,9 +37,10 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::config::{AdmissionLimits, Role};
-    use crate::policies::testing::*;
+    use crate::config::AdmissionLimits;
     use crate::policies::SeededRandom;
+    use crate::registry::Role;
+    use crate::testing::*;
 
     #[test]
     fn every_candidate_is_chosen_about_equally() {

@@ -82,10 +82,11 @@ impl Policy for RoundRobinPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AdmissionLimits, Role};
+    use crate::config::AdmissionLimits;
     use crate::host::MemoryHost;
-    use crate::policies::testing::*;
     use crate::policies::{Limit, Rejection};
+    use crate::registry::Role;
+    use crate::testing::*;
 
     #[test]
     fn rotates_over_the_candidates_in_order() {

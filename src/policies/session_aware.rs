@@ -44,11 +44,11 @@ impl Policy for SessionAwarePolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Role;
     use crate::host::{Host, MemoryHost};
-    use crate::policies::testing::*;
     use crate::policies::{Limit, PickReason, Rejection, SeededRandom};
+    use crate::registry::Role;
     use crate::state::affinity_store::{Bound, Scope};
+    use crate::testing::*;
 
     struct Fixture {
         state: State,

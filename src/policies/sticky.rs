@@ -37,10 +37,11 @@ impl Policy for StickyPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AdmissionLimits, Role};
+    use crate::config::AdmissionLimits;
     use crate::host::{Host, MemoryHost};
-    use crate::policies::testing::*;
     use crate::policies::{MemoryCursor, PickReason, RoundRobinPolicy};
+    use crate::registry::Role;
+    use crate::testing::*;
 
     fn sticky(state: &State, store: &Arc<AffinityStore>, limits: AdmissionLimits) -> StickyPolicy {
         let fallback = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), state.gate(AdmissionLimits::default()));

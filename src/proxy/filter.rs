@@ -1,47 +1,34 @@
-//! The HTTP filter: strip routing headers, buffer the chat body, hand it to the core, carry out the
-//! decision (upstream header; for PD, the rewritten body, the prefill callout and holding the
-//! decode response until it succeeds), report dispatch results, release accounting when the
-//! stream ends. No selection logic lives here.
+//! The HTTP filter: strip routing headers, ask the route table, buffer the chat body, hand it to
+//! the core, carry out the decision (upstream header; for PD, the rewritten body, the prefill
+//! callout, and whatever the PD exchange answers), report dispatch results, release accounting
+//! when the stream ends. Every branch here maps a core answer to an Action.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use super::host::{clear_route_cache, ProxyHost};
+use super::host::{clear_route_cache, dispatch, ProxyHost};
 use super::stats::Stats;
-use crate::host::CalloutResponse;
-use crate::host::Host;
-use crate::registry::Worker;
-use crate::server::app_context::{PendingChat, Target};
-use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};
+use crate::host::{CalloutResponse, Host};
 use crate::server::metrics;
+use crate::server::routes::chat::pd::{Flow, PdExchange, PrefillDone};
+use crate::server::routes::chat::{body_step, BodyStep, PendingChat};
 use crate::server::routes::models::list_models;
-use crate::server::{AppContext, Decision, ErrorKind, RouteError};
+use crate::server::routes::{route, Route};
+use crate::server::upstream::UpstreamAnswer;
+use crate::server::{AppContext, Decision, RouteError};
 use crate::state::keys;
 use crate::state::load_monitor::InflightGuard;
 
-const CHAT_PATH: &str = "/v1/chat/completions";
-const MODELS_PATH: &str = "/v1/models";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PrefillState {
-    Pending,
-    Succeeded,
-    Failed,
-    /// The decode engine already failed and its answer went to the client.
-    Ignored,
-}
-
 struct PrefillCall {
     token: u32,
-    worker: Arc<Worker>,
-    state: PrefillState,
+    exchange: PdExchange,
     /// Released when the callout returns.
     inflight: Option<InflightGuard>,
 }
@@ -64,7 +51,13 @@ pub struct Filter {
     inflight: Option<InflightGuard>,
     /// The filter answered itself; its own reply is not an upstream result.
     local_reply: bool,
-    response_held: bool,
+}
+
+fn to_flow(flow: Flow) -> Action {
+    match flow {
+        Flow::Pass => Action::Continue,
+        Flow::Hold => Action::Pause,
+    }
 }
 
 impl Filter {
@@ -83,23 +76,18 @@ impl Filter {
             prefill: None,
             inflight: None,
             local_reply: false,
-            response_held: false,
         }
     }
 
-    fn reply(&mut self, error: &RouteError) {
+    fn reply(&mut self, status: u16, body: &[u8]) {
         self.local_reply = true;
-        self.send_http_response(
-            u32::from(error.status()),
-            vec![("content-type", "application/json")],
-            Some(&error.body()),
-        );
+        self.send_http_response(u32::from(status), vec![("content-type", "application/json")], Some(body));
     }
 
     /// An error the selection did not already count.
     fn fail(&mut self, error: &RouteError) -> Action {
         self.stats.count(&metrics::error_outcome(error.kind));
-        self.reply(error);
+        self.reply(error.status(), &error.body());
         Action::Pause
     }
 
@@ -109,20 +97,16 @@ impl Filter {
             return Action::Continue;
         };
         let before = callouts.board().tokens();
-        let polled = pending.poll();
-        self.awaiting.extend(callouts.board().tokens().into_iter().filter(|t| !before.contains(t)));
-        self.awaiting.retain(|t| callouts.board().is_outstanding(*t));
+        let awaiting = &mut self.awaiting;
+        let polled = pending.poll(|| {
+            awaiting.extend(callouts.board().tokens().into_iter().filter(|t| !before.contains(t)));
+            awaiting.retain(|t| callouts.board().is_outstanding(*t));
+            !awaiting.is_empty()
+        });
         let outcome = match polled {
             Poll::Ready(outcome) => outcome,
             // Polled again when one of its callouts answers (each has a timeout).
-            Poll::Pending if !self.awaiting.is_empty() => return Action::Pause,
-            Poll::Pending => {
-                self.pending = None;
-                return self.fail(&RouteError::new(
-                    ErrorKind::InvalidConfiguration,
-                    "the selection is waiting, but on no callout",
-                ));
-            }
+            Poll::Pending => return Action::Pause,
         };
         let elapsed = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.pending = None;
@@ -131,7 +115,7 @@ impl Filter {
         match outcome.result {
             Ok(decision) => self.apply(decision),
             Err(error) => {
-                self.reply(&error);
+                self.reply(error.status(), &error.body());
                 Action::Pause
             }
         }
@@ -144,28 +128,19 @@ impl Filter {
         let inflight = Arc::clone(&self.app.borrow().handles().inflight);
         if let Some(pd) = &decision.pd {
             self.set_http_request_body(0, self.body_size, &pd.body);
-            let authority = pd.prefill.address.host_port();
-            let headers = vec![
-                (":method", "POST"),
-                (":path", CHAT_PATH),
-                (":authority", authority.as_str()),
-                ("content-type", "application/json"),
-            ];
-            let timeout = Duration::from_millis(pd.prefill_timeout_ms);
-            match self.dispatch_http_call(&pd.prefill.cluster, headers, Some(&pd.body), vec![], timeout) {
+            match dispatch(&pd.prefill_request()) {
                 Ok(token) => {
                     self.app.borrow().on_dispatch(&pd.prefill.id);
                     self.prefill = Some(PrefillCall {
                         token,
-                        worker: Arc::clone(&pd.prefill),
-                        state: PrefillState::Pending,
+                        exchange: PdExchange::new(Arc::clone(&pd.prefill)),
                         inflight: Some(InflightGuard::acquire(Arc::clone(&inflight), &pd.prefill.id)),
                     });
                 }
-                Err(status) => {
+                Err(e) => {
                     return self.fail(&RouteError::new(
-                        ErrorKind::PrefillFailed,
-                        format!("the prefill request to {} could not be sent: {status:?}", pd.prefill.id),
+                        crate::server::ErrorKind::PrefillFailed,
+                        format!("the prefill request to {} could not be sent: {e}", pd.prefill.id),
                     ));
                 }
             }
@@ -185,44 +160,34 @@ impl Filter {
         Action::Continue
     }
 
-    fn on_prefill_done(&mut self, ok: bool, status: &str) {
+    fn on_prefill_done(&mut self, status: Option<u16>) {
         let Some(prefill) = self.prefill.as_mut() else {
             return;
         };
         prefill.inflight = None;
-        let ignored = prefill.state == PrefillState::Ignored;
-        prefill.state = if ok { PrefillState::Succeeded } else { PrefillState::Failed };
-        let worker = Arc::clone(&prefill.worker);
-        self.app.borrow().on_dispatch_result(&worker.id, ok);
-        if ignored {
-            return;
-        }
-        if ok {
-            if std::mem::take(&mut self.response_held) {
-                self.resume_http_response();
+        let worker = Arc::clone(prefill.exchange.prefill());
+        let done = prefill.exchange.on_prefill_done(status);
+        self.app.borrow().on_dispatch_result(&worker.id, UpstreamAnswer::from_status(status));
+        match done {
+            PrefillDone::Resume => self.resume_http_response(),
+            PrefillDone::Fail(error) => {
+                self.fail(&error);
             }
-            return;
+            PrefillDone::Nothing => {}
         }
-        let why = if status.is_empty() {
-            "no answer (timeout or connection failure)".to_string()
-        } else {
-            format!("status {status}")
-        };
-        self.fail(&RouteError::new(ErrorKind::PrefillFailed, format!("prefill engine {} failed: {why}", worker.id)));
     }
 }
 
 impl Context for Filter {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok());
         if self.prefill.as_ref().is_some_and(|p| p.token == token) {
-            let status = self.get_http_call_response_header(":status").unwrap_or_default();
-            self.on_prefill_done(status.starts_with('2'), &status);
+            self.on_prefill_done(status);
             return;
         }
         if !self.awaiting.contains(&token) {
             return;
         }
-        let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok());
         let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
         let callouts = Arc::clone(&self.app.borrow().handles().callouts);
         callouts.board().complete(token, CalloutResponse { status, body });
@@ -234,28 +199,24 @@ impl Context for Filter {
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        let app = self.app.borrow();
-        for header in app.routing_headers() {
+        let headers = self.app.borrow().headers().clone();
+        for header in headers.stripped() {
             self.set_http_request_header(header, None);
         }
         let path = self.get_http_request_header(":path").unwrap_or_default();
-        let path = path.split('?').next().unwrap_or_default();
         let method = self.get_http_request_header(":method").unwrap_or_default();
-        match (method.as_str(), path) {
-            ("GET", MODELS_PATH) => {
-                let body = list_models(app.config());
-                drop(app);
-                self.local_reply = true;
-                self.send_http_response(200, vec![("content-type", "application/json")], Some(&body));
+        match route(&method, &path) {
+            Route::ListModels => {
+                let body = list_models(self.app.borrow().config());
+                self.reply(200, &body);
                 Action::Pause
             }
-            ("POST", CHAT_PATH) => {
-                let found: Vec<(String, String)> = app
-                    .key_headers()
+            Route::Chat => {
+                let found: Vec<(String, String)> = headers
+                    .keys()
                     .iter()
                     .filter_map(|name| Some((name.clone(), self.get_http_request_header(name)?)))
                     .collect();
-                drop(app);
                 self.keys.extend(found);
                 self.is_chat = true;
                 // The pick is not known yet and a PD pick rewrites the body.
@@ -265,8 +226,7 @@ impl HttpContext for Filter {
                 }
                 Action::Pause
             }
-            _ => {
-                drop(app);
+            Route::PassThrough => {
                 // A route chosen before the headers were stripped must not survive them.
                 clear_route_cache();
                 Action::Continue
@@ -281,17 +241,16 @@ impl HttpContext for Filter {
         if self.local_reply || self.pending.is_some() {
             return Action::Pause;
         }
-        if body_size > MAX_BODY_BYTES {
-            return self.fail(&payload_too_large(body_size));
-        }
-        if !end_of_stream {
-            return Action::Pause;
+        match body_step(body_size, end_of_stream) {
+            BodyStep::Wait => return Action::Pause,
+            BodyStep::TooLarge(error) => return self.fail(&error),
+            BodyStep::Ready => {}
         }
         self.body_size = body_size;
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         let started = Instant::now();
         let keys = &self.keys;
-        let begun = self.app.borrow_mut().begin_chat(&body, &|name| keys.get(name).cloned());
+        let begun = self.app.borrow().begin_chat(&body, &|name| keys.get(name).cloned());
         match begun {
             Ok(pending) => {
                 self.pending = Some((pending, started));
@@ -309,38 +268,21 @@ impl HttpContext for Filter {
             return Action::Continue;
         };
         let upstream = Arc::clone(decision.target.upstream());
-        if let Some(vm) = self.vm_header.clone() {
-            self.set_http_response_header("x-sgl-vm", Some(&vm));
+        for (name, value) in decision.response_headers(self.vm_header.as_deref()) {
+            self.set_http_response_header(name, Some(&value));
         }
-        self.set_http_response_header("x-sgl-bucket", Some(&decision.bucket_id));
-        self.set_http_response_header("x-sgl-worker", Some(&upstream.id));
-        if let Target::Pd { prefill, .. } = &decision.target {
-            let id = prefill.id.clone();
-            self.set_http_response_header("x-sgl-prefill-worker", Some(&id));
-        }
-        let status: u16 = self.get_http_response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-        self.app.borrow().on_dispatch_result(&upstream.id, status != 0 && status < 500);
-        match self.prefill.as_ref().map(|p| p.state) {
-            // A failing decode answer goes to the client at once; the prefill no longer matters.
-            Some(PrefillState::Pending) if !(200..300).contains(&status) => {
-                if let Some(p) = self.prefill.as_mut() {
-                    p.state = PrefillState::Ignored;
-                }
-                Action::Continue
-            }
-            Some(PrefillState::Pending) => {
-                self.response_held = true;
-                Action::Pause
-            }
-            _ => Action::Continue,
+        let status = self.get_http_response_header(":status").and_then(|s| s.parse().ok());
+        self.app.borrow().on_dispatch_result(&upstream.id, UpstreamAnswer::from_status(status));
+        match self.prefill.as_mut() {
+            Some(prefill) => to_flow(prefill.exchange.on_decode_headers(status)),
+            None => Action::Continue,
         }
     }
 
     fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        if self.response_held {
-            Action::Pause
-        } else {
-            Action::Continue
+        match &self.prefill {
+            Some(prefill) => to_flow(prefill.exchange.on_decode_body()),
+            None => Action::Continue,
         }
     }
 

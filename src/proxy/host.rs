@@ -5,7 +5,7 @@ use std::time::UNIX_EPOCH;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::Status;
 
-use crate::host::{Host, HostError, SharedValue};
+use crate::host::{CalloutRequest, Host, HostError, SharedValue};
 
 thread_local! {
     /// Resolved queue ids, once per VM.
@@ -80,6 +80,19 @@ pub fn clear_route_cache() {
     }
 }
 
+/// Dispatches a callout the core described; the answer comes to the context that was active.
+pub fn dispatch(request: &CalloutRequest) -> Result<u32, HostError> {
+    let mut headers: Vec<(&str, &str)> = vec![
+        (":method", request.method.as_str()),
+        (":path", request.path.as_str()),
+        (":authority", request.authority.as_str()),
+    ];
+    headers.extend(request.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let timeout = std::time::Duration::from_millis(request.timeout_ms);
+    hostcalls::dispatch_http_call(&request.cluster, headers, request.body.as_deref(), vec![], timeout)
+        .map_err(|status| HostError::Failed(format!("dispatch_http_call({}): {status:?}", request.cluster)))
+}
+
 /// Policy callouts over `dispatch_http_call`. The answer is delivered to the HTTP context that was
 /// active at dispatch, which completes the board.
 #[derive(Debug, Default)]
@@ -88,18 +101,8 @@ pub struct ProxyCallouts {
 }
 
 impl crate::host::Callouts for ProxyCallouts {
-    fn dispatch(&self, request: crate::host::CalloutRequest) -> Result<crate::host::CalloutFuture, HostError> {
-        let mut headers: Vec<(&str, &str)> = vec![
-            (":method", request.method.as_str()),
-            (":path", request.path.as_str()),
-            (":authority", request.authority.as_str()),
-        ];
-        headers.extend(request.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        let timeout = std::time::Duration::from_millis(request.timeout_ms);
-        match hostcalls::dispatch_http_call(&request.cluster, headers, request.body.as_deref(), vec![], timeout) {
-            Ok(token) => Ok(self.board.register(token)),
-            Err(status) => Err(HostError::Failed(format!("dispatch_http_call({}): {status:?}", request.cluster))),
-        }
+    fn dispatch(&self, request: CalloutRequest) -> Result<crate::host::CalloutFuture, HostError> {
+        dispatch(&request).map(|token| self.board.register(token))
     }
 
     fn board(&self) -> &crate::host::CalloutBoard {

@@ -13,11 +13,10 @@ use super::host::{ProxyCallouts, ProxyHost};
 use super::service::Service;
 use super::stats::Stats;
 use crate::config;
-use crate::config::factory::prefix_budgets;
-use crate::config::factory::StateHandles;
 use crate::host::Host;
 use crate::policies::cache_aware::{CacheSource, LocalCacheSource};
 use crate::policies::SeededRandom;
+use crate::server::factory::{prefix_budgets, StateHandles};
 use crate::server::AppContext;
 use crate::state::affinity_store::AffinityStore;
 use crate::state::kv_events::PrefixReplica;
@@ -106,20 +105,10 @@ impl RootContext for Root {
                     prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
                     host,
                 };
-                match AppContext::new(parsed, handles) {
-                    Ok(app) => {
-                        self.filter = Some(Rc::new(RefCell::new(app)));
-                        self.heartbeat();
-                        self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
-                        true
-                    }
-                    Err(errors) => {
-                        for e in &errors.0 {
-                            log::error!("sgl-envoy-router configuration rejected: {e}");
-                        }
-                        false
-                    }
-                }
+                self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));
+                self.heartbeat();
+                self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
+                true
             }
             SERVICE_ROOT_ID => {
                 let service = Service::new(parsed, Rc::clone(&self.stats));

@@ -3,8 +3,8 @@
 //! emits.
 
 use crate::buckets::BucketPick;
-use crate::config::Role;
 use crate::policies::{PickError, Rejection};
+use crate::registry::Role;
 use crate::server::routes::chat::{Selection, SelectionFailure};
 use crate::server::ErrorKind;
 

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::shared::update;
-use crate::config::Role;
 use crate::host::{Host, HostError};
+use crate::registry::Role;
 
 /// Fixed number of shard keys.
 pub const SHARDS: u64 = 64;

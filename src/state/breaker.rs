@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 
 use super::keys;
 use super::shared::update;
-use crate::config::CircuitBreakerConfig;
 use crate::host::Host;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,14 +38,22 @@ impl Table {
     }
 }
 
+/// When a breaker opens and how long it stays open before its probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerSettings {
+    /// Consecutive dispatch failures that open it.
+    pub failure_threshold: u32,
+    pub cooldown_ms: u64,
+}
+
 #[derive(Debug, Clone)]
 pub struct CircuitBreakers {
     host: Arc<dyn Host>,
-    config: CircuitBreakerConfig,
+    config: BreakerSettings,
 }
 
 impl CircuitBreakers {
-    pub fn new(host: Arc<dyn Host>, config: CircuitBreakerConfig) -> Self {
+    pub fn new(host: Arc<dyn Host>, config: BreakerSettings) -> Self {
         Self { host, config }
     }
 
@@ -123,7 +130,7 @@ mod tests {
 
     fn breakers() -> (Arc<MemoryHost>, CircuitBreakers) {
         let host = Arc::new(MemoryHost::default());
-        let b = CircuitBreakers::new(host.clone(), CircuitBreakerConfig { failure_threshold: 3, cooldown_ms: 1000 });
+        let b = CircuitBreakers::new(host.clone(), BreakerSettings { failure_threshold: 3, cooldown_ms: 1000 });
         (host, b)
     }
 

@@ -1,24 +1,15 @@
 //! Engine health: the service's checker state machine and the table it publishes. A worker is
 //! healthy until its first failed checks say otherwise.
 
-use std::collections::HashSet;
-
 use serde::{Deserialize, Serialize};
 
 use super::schedule::PollSchedule;
-use crate::config::HealthConfig;
 use crate::registry::Worker;
 
 /// What the service publishes and every filter VM reads.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthTable {
     pub unhealthy: Vec<String>,
-}
-
-impl HealthTable {
-    pub fn unhealthy_set(&self) -> HashSet<&str> {
-        self.unhealthy.iter().map(String::as_str).collect()
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -29,16 +20,24 @@ struct WorkerHealth {
     consecutive_fail: u32,
 }
 
+/// How often a worker is checked and how many checks in a row flip its health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthThresholds {
+    pub interval_ms: u64,
+    pub failure_threshold: u32,
+    pub success_threshold: u32,
+}
+
 /// The service's per-worker check schedule and threshold logic.
 #[derive(Debug)]
 pub struct HealthMonitor {
-    config: HealthConfig,
+    config: HealthThresholds,
     schedule: PollSchedule,
     workers: Vec<WorkerHealth>,
 }
 
 impl HealthMonitor {
-    pub fn new(config: HealthConfig, workers: &[std::sync::Arc<Worker>]) -> Self {
+    pub fn new(config: HealthThresholds, workers: &[std::sync::Arc<Worker>]) -> Self {
         Self {
             schedule: PollSchedule::new(config.interval_ms, workers.len()),
             config,
@@ -93,8 +92,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::config::Role;
     use crate::registry::EngineAddress;
+    use crate::registry::Role;
 
     fn worker(id: &str) -> Arc<Worker> {
         Arc::new(Worker {
@@ -109,8 +108,7 @@ mod tests {
     }
 
     fn monitor() -> HealthMonitor {
-        let config =
-            HealthConfig { failure_threshold: 2, success_threshold: 2, interval_ms: 100, ..HealthConfig::default() };
+        let config = HealthThresholds { failure_threshold: 2, success_threshold: 2, interval_ms: 100 };
         HealthMonitor::new(config, &[worker("A"), worker("B")])
     }
 

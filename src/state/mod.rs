@@ -1,6 +1,7 @@
 //! State shared between the service and every worker VM, kept in the host's shared data.
 
 pub mod affinity_store;
+pub mod availability;
 pub mod breaker;
 pub mod health;
 pub mod keys;

@@ -4,6 +4,8 @@ use serde_json::json;
 
 use crate::config::RouterConfig;
 
+pub const MODELS_PATH: &str = "/v1/models";
+
 pub fn list_models(config: &RouterConfig) -> Vec<u8> {
     let data: Vec<_> = config
         .models

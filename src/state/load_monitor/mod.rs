@@ -9,7 +9,7 @@ mod shared_view;
 mod table;
 
 pub use inflight::{InflightGuard, InflightTable, MemoryInflight, SharedInflight};
-pub use poller::LoadPoller;
+pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};
 pub use shared_view::SharedLoadView;
 pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};

@@ -6,13 +6,41 @@ use std::sync::Arc;
 
 use super::reports::{parse_get_load, parse_prometheus, parse_v1_loads, ReportError, ReportKind};
 use super::table::LoadTable;
-use crate::config::{LoadConfig, LoadSource};
 use crate::registry::Worker;
 use crate::state::schedule::PollSchedule;
 
+/// The load endpoint an engine serves and how its answer reads (spec §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportEndpoint {
+    /// SGLang's `GET /v1/loads`: native reports.
+    V1Loads,
+    /// SGLang's older `GET /get_load`: basic reports.
+    GetLoad,
+    /// `GET /metrics` of SGLang or vLLM: basic reports.
+    Prometheus,
+}
+
+impl ReportEndpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            ReportEndpoint::V1Loads => "/v1/loads",
+            ReportEndpoint::GetLoad => "/get_load",
+            ReportEndpoint::Prometheus => "/metrics",
+        }
+    }
+
+    fn parse(self, body: &[u8]) -> Result<(ReportKind, Vec<super::RankReport>), ReportError> {
+        Ok(match self {
+            ReportEndpoint::V1Loads => (ReportKind::Native, parse_v1_loads(body)?),
+            ReportEndpoint::GetLoad => (ReportKind::Basic, parse_get_load(body)?),
+            ReportEndpoint::Prometheus => (ReportKind::Basic, parse_prometheus(body)?),
+        })
+    }
+}
+
 #[derive(Debug)]
 pub struct LoadPoller {
-    source: LoadSource,
+    endpoint: Option<ReportEndpoint>,
     schedule: PollSchedule,
     workers: Vec<Arc<Worker>>,
     table: LoadTable,
@@ -20,24 +48,20 @@ pub struct LoadPoller {
 }
 
 impl LoadPoller {
-    pub fn new(config: &LoadConfig, workers: &[Arc<Worker>]) -> Self {
+    /// `endpoint: None` polls nothing.
+    pub fn new(endpoint: Option<ReportEndpoint>, interval_ms: u64, workers: &[Arc<Worker>]) -> Self {
         Self {
-            source: config.source,
-            schedule: PollSchedule::new(config.interval_ms, workers.len()),
+            endpoint,
+            schedule: PollSchedule::new(interval_ms, workers.len()),
             workers: workers.to_vec(),
             table: LoadTable::default(),
             dirty: false,
         }
     }
 
-    /// The endpoint the source reads; `None` when load is not polled at all.
+    /// The endpoint polled; `None` when load is not polled at all.
     pub fn path(&self) -> Option<&'static str> {
-        match self.source {
-            LoadSource::SglangLoads => Some("/v1/loads"),
-            LoadSource::SglangGetLoad => Some("/get_load"),
-            LoadSource::Prometheus => Some("/metrics"),
-            LoadSource::None => None,
-        }
+        self.endpoint.map(ReportEndpoint::path)
     }
 
     pub fn due(&mut self, now_ms: u64) -> Vec<usize> {
@@ -60,13 +84,8 @@ impl LoadPoller {
         let Some(worker) = self.workers.get(index) else {
             return Ok(());
         };
-        let Some(body) = body else { return Ok(()) };
-        let (kind, reports) = match self.source {
-            LoadSource::SglangLoads => (ReportKind::Native, parse_v1_loads(body)?),
-            LoadSource::SglangGetLoad => (ReportKind::Basic, parse_get_load(body)?),
-            LoadSource::Prometheus => (ReportKind::Basic, parse_prometheus(body)?),
-            LoadSource::None => return Ok(()),
-        };
+        let (Some(body), Some(endpoint)) = (body, self.endpoint) else { return Ok(()) };
+        let (kind, reports) = endpoint.parse(body)?;
         self.table.record(&worker.id, worker.dp_size, kind, reports, now_ms, dispatches);
         self.dirty = true;
         Ok(())
@@ -88,26 +107,25 @@ impl LoadPoller {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policies::testing::worker;
+    use crate::testing::worker;
 
-    fn poller(source: LoadSource) -> LoadPoller {
-        let config = LoadConfig { source, interval_ms: 100, ..LoadConfig::default() };
-        LoadPoller::new(&config, &[worker("A"), worker("B")])
+    fn poller(endpoint: Option<ReportEndpoint>) -> LoadPoller {
+        LoadPoller::new(endpoint, 100, &[worker("A"), worker("B")])
     }
 
     #[test]
     fn each_source_reads_its_endpoint() {
-        assert_eq!(poller(LoadSource::SglangLoads).path(), Some("/v1/loads"));
-        assert_eq!(poller(LoadSource::SglangGetLoad).path(), Some("/get_load"));
-        assert_eq!(poller(LoadSource::Prometheus).path(), Some("/metrics"));
-        let mut none = poller(LoadSource::None);
+        assert_eq!(poller(Some(ReportEndpoint::V1Loads)).path(), Some("/v1/loads"));
+        assert_eq!(poller(Some(ReportEndpoint::GetLoad)).path(), Some("/get_load"));
+        assert_eq!(poller(Some(ReportEndpoint::Prometheus)).path(), Some("/metrics"));
+        let mut none = poller(None);
         assert_eq!(none.path(), None);
         assert!(none.due(0).is_empty(), "nothing is polled without a source");
     }
 
     #[test]
     fn a_successful_poll_is_published_once() {
-        let mut p = poller(LoadSource::SglangGetLoad);
+        let mut p = poller(Some(ReportEndpoint::GetLoad));
         assert_eq!(p.due(0), vec![0, 1]);
         p.record(0, Some(br#"[{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 5}]"#), 10, 7)
             .unwrap();
@@ -119,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_failed_or_garbled_poll_records_nothing() {
-        let mut p = poller(LoadSource::SglangLoads);
+        let mut p = poller(Some(ReportEndpoint::V1Loads));
         p.due(0);
         p.record(0, None, 10, 0).unwrap();
         assert!(p.record(1, Some(b"<html>"), 10, 0).is_err());

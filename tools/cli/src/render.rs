@@ -2,7 +2,7 @@
 
 use serde_json::{json, Value};
 use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
-use sgl_envoy_router::registry::WorkerRegistry;
+use sgl_envoy_router::server::factory;
 use sgl_envoy_router::server::{ErrorKind, RouteError};
 
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
@@ -183,7 +183,7 @@ fn circuit_breakers() -> Value {
 }
 
 fn clusters(config: &RouterConfig) -> Vec<Value> {
-    let registry = WorkerRegistry::from_config(config);
+    let registry = factory::registry(config);
     let mut clusters: Vec<Value> = registry
         .all()
         .iter()

@@ -5,9 +5,10 @@
 
 use std::sync::Arc;
 
-use crate::buckets::{BucketPick, BucketRequest, BucketResolver, LiveWorkers, ResolveError};
-use crate::config::Role;
+use crate::buckets::{BucketPick, BucketRequest, BucketResolver, ResolveError};
 use crate::policies::{BoxFuture, PickError, Rejection};
+use crate::registry::LiveWorkers;
+use crate::registry::Role;
 use crate::server::{ErrorKind, RouteError};
 
 /// The complete selection and the attempts that failed before it (for stats).

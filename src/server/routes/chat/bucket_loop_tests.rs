@@ -5,10 +5,10 @@ use proptest::prelude::*;
 use super::*;
 use crate::buckets::tests::Scripted;
 use crate::buckets::{Bucket, BucketGroups, EngineGroup};
-use crate::policies::testing::{now, worker_with};
 use crate::policies::{Limit, PickError, Rejection};
 use crate::registry::Worker;
 use crate::server::ErrorKind;
+use crate::testing::{now, worker_with};
 
 fn plain_bucket(id: &str, capacity: u64, policy: Arc<Scripted>) -> Bucket {
     Bucket {

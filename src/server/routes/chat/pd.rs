@@ -1,13 +1,18 @@
-//! Prefill/decode dispatch facts (spec §3): the body both engines receive, with SGLang's bootstrap
-//! fields injected. Client-sent bootstrap fields are overwritten; `n > 1` gets one fresh room per
-//! choice, as arrays.
+//! Prefill/decode dispatch (spec §3): the body both engines receive, with SGLang's bootstrap
+//! fields injected (client-sent ones overwritten; `n > 1` gets one fresh room per choice, as
+//! arrays), the prefill callout, and the exchange that holds the decode response until the prefill
+//! succeeded. The filter carries out what [`PdExchange`] answers; it decides nothing itself.
 
 use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
+use super::CHAT_PATH;
+use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
 use crate::registry::{Worker, DEFAULT_BOOTSTRAP_PORT};
+use crate::server::upstream::UpstreamAnswer;
+use crate::server::{ErrorKind, RouteError};
 
 /// What the filter sends where for one PD request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +22,116 @@ pub struct PdDispatch {
     pub body: Vec<u8>,
     pub rooms: Vec<u64>,
     pub prefill_timeout_ms: u64,
+}
+
+impl PdDispatch {
+    /// The prefill request: the same body as the decode engine's, to the prefill engine's cluster.
+    pub fn prefill_request(&self) -> CalloutRequest {
+        CalloutRequest {
+            cluster: self.prefill.cluster.clone(),
+            method: "POST".to_string(),
+            path: CHAT_PATH.to_string(),
+            authority: self.prefill.address.host_port(),
+            headers: vec![("content-type".to_string(), "application/json".to_string())],
+            body: Some(self.body.clone()),
+            timeout_ms: self.prefill_timeout_ms,
+        }
+    }
+}
+
+/// Whether the filter lets the decode response through now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Pass,
+    Hold,
+}
+
+/// What the filter does when the prefill callout answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefillDone {
+    /// Release the held decode response.
+    Resume,
+    /// Answer the client with this error instead of the decode response.
+    Fail(RouteError),
+    /// Nothing to do: the response was not held yet, or the decode already failed on its own.
+    Nothing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefillState {
+    Pending,
+    Succeeded,
+    Failed,
+    /// The decode engine failed first and its answer went to the client; the prefill no longer
+    /// matters.
+    Ignored,
+}
+
+/// One PD request's prefill/decode hand-off (spec §3): the decode response is released only
+/// after the prefill answered 2xx; a failed prefill becomes a 502 `PrefillFailed`; a decode answer
+/// that is itself not 2xx goes to the client at once.
+#[derive(Debug, Clone)]
+pub struct PdExchange {
+    prefill: Arc<Worker>,
+    state: PrefillState,
+    held: bool,
+}
+
+impl PdExchange {
+    pub fn new(prefill: Arc<Worker>) -> Self {
+        Self { prefill, state: PrefillState::Pending, held: false }
+    }
+
+    pub fn prefill(&self) -> &Arc<Worker> {
+        &self.prefill
+    }
+
+    /// The decode engine's response headers arrived with `status`.
+    pub fn on_decode_headers(&mut self, status: Option<u16>) -> Flow {
+        match self.state {
+            PrefillState::Pending if !UpstreamAnswer::from_status(status).succeeded() => {
+                self.state = PrefillState::Ignored;
+                Flow::Pass
+            }
+            PrefillState::Pending => {
+                self.held = true;
+                Flow::Hold
+            }
+            // A prefill that already failed replied to the client; what follows is not sent.
+            PrefillState::Succeeded | PrefillState::Failed | PrefillState::Ignored => Flow::Pass,
+        }
+    }
+
+    /// A chunk of the decode response body arrived.
+    pub fn on_decode_body(&self) -> Flow {
+        if self.held {
+            Flow::Hold
+        } else {
+            Flow::Pass
+        }
+    }
+
+    /// The prefill callout answered with `status` (`None`: timeout or connection failure).
+    pub fn on_prefill_done(&mut self, status: Option<u16>) -> PrefillDone {
+        let answer = UpstreamAnswer::from_status(status);
+        let ignored = self.state == PrefillState::Ignored;
+        self.state = if answer.succeeded() { PrefillState::Succeeded } else { PrefillState::Failed };
+        if ignored {
+            return PrefillDone::Nothing;
+        }
+        if answer.succeeded() {
+            return if std::mem::take(&mut self.held) { PrefillDone::Resume } else { PrefillDone::Nothing };
+        }
+        self.held = false;
+        let why = match status {
+            Some(s) if s > 0 => format!("status {s}"),
+            _ => "no answer (timeout or connection failure)".to_string(),
+        };
+        PrefillDone::Fail(RouteError::new(
+            ErrorKind::PrefillFailed,
+            format!("prefill engine {} failed: {why}", self.prefill.id),
+        ))
+    }
 }
 
 /// A bootstrap room: a random u64 masked to 63 bits, as SGLang's router draws them.
@@ -50,9 +165,9 @@ pub fn bootstrap_body(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Role;
-    use crate::policies::testing::worker_with;
     use crate::policies::SeededRandom;
+    use crate::registry::Role;
+    use crate::testing::worker_with;
 
     fn parsed(v: Value) -> Map<String, Value> {
         v.as_object().cloned().unwrap()
@@ -69,6 +184,69 @@ mod tests {
         assert_eq!(v["bootstrap_room"], json!(rooms[0]));
         assert_ne!(rooms[0], 5);
         assert_eq!(v["messages"], json!([]), "the rest of the body is kept");
+    }
+
+    fn exchange() -> PdExchange {
+        PdExchange::new(worker_with("P1", Role::Prefill, "m"))
+    }
+
+    #[test]
+    fn decode_is_held_until_the_prefill_succeeds() {
+        let mut x = exchange();
+        assert_eq!(x.on_decode_headers(Some(200)), Flow::Hold);
+        assert_eq!(x.on_decode_body(), Flow::Hold);
+        assert_eq!(x.on_prefill_done(Some(200)), PrefillDone::Resume);
+        assert_eq!(x.on_decode_body(), Flow::Pass);
+    }
+
+    #[test]
+    fn a_prefill_that_finishes_first_lets_decode_through() {
+        let mut x = exchange();
+        assert_eq!(x.on_prefill_done(Some(200)), PrefillDone::Nothing);
+        assert_eq!(x.on_decode_headers(Some(200)), Flow::Pass);
+        assert_eq!(x.on_decode_body(), Flow::Pass);
+    }
+
+    #[test]
+    fn a_failed_prefill_fails_the_request_whether_or_not_decode_answered() {
+        for decode_first in [true, false] {
+            let mut x = exchange();
+            if decode_first {
+                assert_eq!(x.on_decode_headers(Some(200)), Flow::Hold);
+            }
+            for status in [Some(500), Some(404), None] {
+                let mut y = x.clone();
+                match y.on_prefill_done(status) {
+                    PrefillDone::Fail(e) => {
+                        assert_eq!(e.kind, ErrorKind::PrefillFailed);
+                        assert!(e.message.contains("P1"), "{}", e.message);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            x.on_prefill_done(None);
+            assert_eq!(x.on_decode_body(), Flow::Pass, "nothing is held once the error replied");
+        }
+    }
+
+    #[test]
+    fn a_failing_decode_goes_to_the_client_at_once_and_the_prefill_no_longer_matters() {
+        let mut x = exchange();
+        assert_eq!(x.on_decode_headers(Some(503)), Flow::Pass);
+        assert_eq!(x.on_decode_body(), Flow::Pass);
+        assert_eq!(x.on_prefill_done(None), PrefillDone::Nothing);
+        let mut y = exchange();
+        assert_eq!(y.on_decode_headers(None), Flow::Pass);
+        assert_eq!(y.on_prefill_done(Some(200)), PrefillDone::Nothing);
+    }
+
+    #[test]
+    fn the_prefill_request_carries_the_decode_body_to_the_prefill_cluster() {
+        let p = worker_with("P1", Role::Prefill, "m");
+        let d = PdDispatch { prefill: p, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
+        let r = d.prefill_request();
+        assert_eq!((r.cluster.as_str(), r.method.as_str(), r.path.as_str()), ("sgl_P1", "POST", CHAT_PATH));
+        assert_eq!((r.authority.as_str(), r.body.as_deref(), r.timeout_ms), ("127.0.0.1:1", Some(&b"{}"[..]), 7));
     }
 
     #[test]

@@ -1,9 +1,10 @@
-//! Helpers for the policy and bucket unit tests.
+//! Fixtures shared by the crate's unit tests: workers, load reports, policy state, requests.
 
 use std::sync::Arc;
 
-use super::admission::AdmissionGate;
-use crate::config::{AdmissionLimits, Role};
+use crate::config::AdmissionLimits;
+use crate::policies::admission::AdmissionGate;
+use crate::registry::Role;
 use crate::registry::{EngineAddress, Worker};
 use crate::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
 
@@ -67,8 +68,8 @@ impl State {
     }
 }
 
-pub fn request(stage: Role) -> super::PickRequest<'static> {
-    super::PickRequest {
+pub fn request(stage: Role) -> crate::policies::PickRequest<'static> {
+    crate::policies::PickRequest {
         model: "m",
         stage,
         bucket_id: "b",
@@ -83,7 +84,7 @@ pub fn request(stage: Role) -> super::PickRequest<'static> {
 }
 
 /// Polls a policy future that must be ready.
-pub fn now<T>(mut f: super::BoxFuture<'_, T>) -> T {
+pub fn now<T>(mut f: crate::policies::BoxFuture<'_, T>) -> T {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     match f.as_mut().poll(&mut cx) {
         std::task::Poll::Ready(v) => v,

@@ -1,24 +1,29 @@
-//! Builds each model's resolver from a validated configuration: buckets, their groups, and one
-//! policy instance per role group wired to the state handles it reads (design §6).
+//! The wiring's factory: what a validated configuration describes, built. The registry's workers,
+//! each model's resolver (buckets, their groups, one policy instance per role group wired to the
+//! state handles it reads, design §6), and the small parameter types the state monitors take.
+//! Configuration is a leaf; this is the one place that turns it into working parts.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{
-    AdmissionLimits, ConfigError, ConfigErrors, GroupConfig, GroupsConfig, ModelConfig, PolicyConfig, Role,
-    RouterConfig, StickyFallback,
-};
 use crate::buckets::{Bucket, BucketGroups, BucketResolver, EngineGroup};
+use crate::config::{
+    AdmissionLimits, CircuitBreakerConfig, GroupConfig, GroupsConfig, HealthConfig, LoadSource, ModelConfig,
+    PolicyConfig, RouterConfig, StickyFallback,
+};
 use crate::host::Host;
 use crate::policies::admission::AdmissionGate;
-use crate::policies::cache_aware::{CacheAwarePolicy, CacheSource, LocalCacheSource};
+use crate::policies::cache_aware::{CacheAwarePolicy, CacheSource};
 use crate::policies::{
     LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SessionAwarePolicy,
     SharedCursor, StickyPolicy,
 };
+use crate::registry::{AllAvailable, EngineAddress, Role, Worker, WorkerRegistry, DEFAULT_BOOTSTRAP_PORT};
 use crate::state::affinity_store::AffinityStore;
-use crate::state::kv_events::{Budgets, PrefixReplica};
-use crate::state::load_monitor::{InflightTable, LoadView};
+use crate::state::breaker::BreakerSettings;
+use crate::state::health::HealthThresholds;
+use crate::state::kv_events::Budgets;
+use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint};
 
 /// The application's shared state, handed to every policy that needs part of it.
 #[derive(Debug, Clone)]
@@ -38,74 +43,106 @@ pub struct StateHandles {
 
 pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
 
-pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Result<Resolvers, ConfigErrors> {
-    let mut errors = Vec::new();
+/// The registry's workers, from a validated configuration. A worker whose URL does not parse was
+/// already refused by validation, so it is skipped here rather than failing twice.
+pub fn workers(config: &RouterConfig) -> Vec<Worker> {
+    config
+        .workers
+        .iter()
+        .filter_map(|w| {
+            Some(Worker {
+                id: w.id.clone(),
+                model: w.model.clone(),
+                role: w.role,
+                address: EngineAddress::parse(&w.url).ok()?,
+                cluster: w.cluster_name(),
+                bootstrap_port: (w.role == Role::Prefill).then(|| w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT)),
+                dp_size: w.dp_size,
+            })
+        })
+        .collect()
+}
+
+/// The registry as the service sees it: every configured worker, none taken out.
+pub fn registry(config: &RouterConfig) -> WorkerRegistry {
+    WorkerRegistry::new(workers(config), Arc::new(AllAvailable))
+}
+
+pub fn health_thresholds(config: &HealthConfig) -> HealthThresholds {
+    HealthThresholds {
+        interval_ms: config.interval_ms,
+        failure_threshold: config.failure_threshold,
+        success_threshold: config.success_threshold,
+    }
+}
+
+pub fn breaker_settings(config: &CircuitBreakerConfig) -> BreakerSettings {
+    BreakerSettings { failure_threshold: config.failure_threshold, cooldown_ms: config.cooldown_ms }
+}
+
+/// The endpoint `load.source` reads; `None` polls nothing.
+pub fn report_endpoint(source: LoadSource) -> Option<ReportEndpoint> {
+    match source {
+        LoadSource::SglangLoads => Some(ReportEndpoint::V1Loads),
+        LoadSource::SglangGetLoad => Some(ReportEndpoint::GetLoad),
+        LoadSource::Prometheus => Some(ReportEndpoint::Prometheus),
+        LoadSource::None => None,
+    }
+}
+
+/// Every model's resolver: its buckets, their groups, one policy instance per role group.
+pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Resolvers {
     let mut resolvers = HashMap::new();
     for (model, model_config) in &config.models {
-        let mut buckets = Vec::new();
-        for (i, b) in model_config.buckets.iter().enumerate() {
-            let group = |part: &str, g: &GroupConfig, stage: Role| {
-                let site = GroupSite {
-                    path: format!("models.{model}.buckets[{i}].groups.{part}"),
-                    stage,
-                    instance: format!("{model}/{}/{}", b.id, stage.as_str()),
-                    model: model_config,
-                    bytes_per_token: config.tokens.bytes_per_token,
+        let buckets = model_config
+            .buckets
+            .iter()
+            .map(|b| {
+                let group = |g: &GroupConfig, stage: Role| {
+                    let site = GroupSite {
+                        stage,
+                        instance: format!("{model}/{}/{}", b.id, stage.as_str()),
+                        model: model_config,
+                        bytes_per_token: config.tokens.bytes_per_token,
+                    };
+                    build_group(&site, g, handles)
                 };
-                build_group(&site, g, handles)
-            };
-            let groups = match &b.groups {
-                GroupsConfig::Plain(g) => group("plain", g, Role::Plain).map(BucketGroups::Plain),
-                GroupsConfig::Pd(pd) => {
-                    match (
-                        group("pd.prefill", &pd.prefill, Role::Prefill),
-                        group("pd.decode", &pd.decode, Role::Decode),
-                    ) {
-                        (Ok(prefill), Ok(decode)) => Ok(BucketGroups::Pd { prefill, decode }),
-                        (Err(p), Err(d)) => {
-                            errors.push(p);
-                            Err(d)
-                        }
-                        (Err(e), _) | (_, Err(e)) => Err(e),
-                    }
-                }
-            };
-            match groups {
-                Ok(groups) => buckets.push(Bucket {
+                let groups = match &b.groups {
+                    GroupsConfig::Plain(g) => BucketGroups::Plain(group(g, Role::Plain)),
+                    GroupsConfig::Pd(pd) => BucketGroups::Pd {
+                        prefill: group(&pd.prefill, Role::Prefill),
+                        decode: group(&pd.decode, Role::Decode),
+                    },
+                };
+                Bucket {
                     id: b.id.clone(),
                     rank: b.rank,
                     min_input: b.limits.min,
                     max_input: b.limits.max,
                     max_context: b.max_context_tokens,
                     groups,
-                }),
-                Err(e) => errors.push(e),
-            }
-        }
+                }
+            })
+            .collect();
         resolvers.insert(model.clone(), Arc::new(BucketResolver::new(buckets)));
     }
-    if errors.is_empty() {
-        Ok(resolvers)
-    } else {
-        Err(ConfigErrors(errors))
-    }
+    resolvers
 }
 
-/// Where a group sits: its field path, stage, policy instance name and model.
-pub struct GroupSite<'a> {
-    pub path: String,
-    pub stage: Role,
-    pub instance: String,
-    pub model: &'a ModelConfig,
-    pub bytes_per_token: u64,
+/// Where a group sits: its stage, policy instance name and model.
+struct GroupSite<'a> {
+    stage: Role,
+    instance: String,
+    model: &'a ModelConfig,
+    bytes_per_token: u64,
 }
 
-fn build_group(site: &GroupSite<'_>, group: &GroupConfig, handles: &StateHandles) -> Result<EngineGroup, ConfigError> {
-    let policy = build_policy(site, &group.policy, handles)?;
-    Ok(match &group.worker_ids {
+fn build_group(site: &GroupSite<'_>, group: &GroupConfig, handles: &StateHandles) -> EngineGroup {
+    let policy = build_policy(site, &group.policy, handles);
+    match &group.worker_ids {
         None => EngineGroup::new(site.stage, policy),
         Some(ids) => EngineGroup::with_members(site.stage, ids.iter().cloned(), policy),
-    })
+    }
 }
 
 /// A binding is refreshed at most every tenth of its idle timeout (between 0.1 s and 10 s).
@@ -132,18 +169,14 @@ fn fallback_policy(kind: StickyFallback, instance: &str, handles: &StateHandles)
 }
 
 /// One logical policy instance per role group; `site.instance` names its shared state.
-pub fn build_policy(
-    site: &GroupSite<'_>,
-    config: &PolicyConfig,
-    handles: &StateHandles,
-) -> Result<Arc<dyn Policy>, ConfigError> {
+fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHandles) -> Arc<dyn Policy> {
     let (instance, model) = (site.instance.as_str(), site.model);
     let gate = AdmissionGate {
         admission: Arc::new(*config.admission()),
         load: Arc::clone(&handles.load),
         inflight: Arc::clone(&handles.inflight),
     };
-    Ok(match config {
+    match config {
         PolicyConfig::RoundRobin(_) => {
             Arc::new(RoundRobinPolicy::new(Box::new(SharedCursor::new(Arc::clone(&handles.host), instance)), gate))
         }
@@ -169,7 +202,7 @@ pub fn build_policy(
             Arc::clone(&handles.random),
             site.bytes_per_token,
         )),
-    })
+    }
 }
 
 /// Each model's prefix-tree budget in bytes: the largest `max_tree_tokens` of its cache-aware
@@ -192,20 +225,4 @@ pub fn prefix_budgets(config: &RouterConfig) -> Budgets {
         }
     }
     Budgets(budgets)
-}
-
-/// Everything the filter checks at `on_configure`: validation, then building every policy
-/// instance against in-memory state. The CLI's `validate` runs exactly this.
-pub fn check(config: &RouterConfig) -> Result<(), ConfigErrors> {
-    let host: Arc<dyn Host> = Arc::new(crate::host::MemoryHost::default());
-    let handles = StateHandles {
-        load: Arc::new(crate::state::load_monitor::StaticLoad::default()),
-        inflight: Arc::new(crate::state::load_monitor::MemoryInflight::default()),
-        random: Arc::new(crate::policies::SeededRandom::new(0)),
-        callouts: Arc::new(crate::host::MemoryCallouts::default()),
-        affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
-        prefixes: Arc::new(LocalCacheSource::new(Arc::clone(&host), PrefixReplica::new(prefix_budgets(config)))),
-        host,
-    };
-    build_resolvers(config, &handles).map(|_| ())
 }

@@ -1,0 +1,148 @@
+//! From a finished selection to the [`Decision`] the filter carries out: the upstream header, the
+//! PD body and prefill callout, the prefix event, the response headers, and the counters.
+
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use serde_json::{Map, Value};
+
+use super::bucket_loop::{Selection, SelectionFailure};
+use super::pd::{bootstrap_body, PdDispatch};
+use super::ChatFacts;
+use crate::buckets::BucketPick;
+use crate::policies::{BoxFuture, RandomSource};
+use crate::registry::Worker;
+use crate::server::upstream::UpstreamHeader;
+use crate::server::{metrics, ErrorKind, RouteError};
+use crate::state::kv_events::{PrefixEvent, Tier};
+
+/// The engines a request goes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Plain(Arc<Worker>),
+    Pd { prefill: Arc<Worker>, decode: Arc<Worker> },
+}
+
+impl Target {
+    /// The engine Envoy's router sends the request to: the plain engine, or the decode engine.
+    pub fn upstream(&self) -> &Arc<Worker> {
+        match self {
+            Target::Plain(w) | Target::Pd { decode: w, .. } => w,
+        }
+    }
+
+    /// The engine that does the prefill work: the plain engine, or the prefill engine.
+    pub fn prefill_work(&self) -> &Arc<Worker> {
+        match self {
+            Target::Plain(w) | Target::Pd { prefill: w, .. } => w,
+        }
+    }
+}
+
+/// Where the filter sends a request, and what it tells the client about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub bucket_id: String,
+    pub target: Target,
+    /// The upstream header and its value (cluster name or `host:port`, by `upstream.mode`).
+    pub upstream_header: (String, String),
+    /// PD only: the rewritten body and the prefill callout.
+    pub pd: Option<PdDispatch>,
+    /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
+    /// to the service once the decision is carried out.
+    pub prefix_event: Option<PrefixEvent>,
+}
+
+impl Decision {
+    /// The headers the filter adds to the response (spec §3), and `x-sgl-vm` when asked for.
+    pub fn response_headers(&self, vm: Option<&str>) -> Vec<(&'static str, String)> {
+        let mut headers = Vec::with_capacity(4);
+        if let Some(vm) = vm {
+            headers.push(("x-sgl-vm", vm.to_string()));
+        }
+        headers.push(("x-sgl-bucket", self.bucket_id.clone()));
+        headers.push(("x-sgl-worker", self.target.upstream().id.clone()));
+        if let Target::Pd { prefill, .. } = &self.target {
+            headers.push(("x-sgl-prefill-worker", prefill.id.clone()));
+        }
+        headers
+    }
+}
+
+/// A finished selection and the counters it bumps.
+#[derive(Debug)]
+pub struct ChatOutcome {
+    pub result: Result<Decision, RouteError>,
+    pub counters: Vec<String>,
+}
+
+/// A selection in progress. Local policies finish on the first poll; a pending one is polled
+/// again when the callout it waits for answers.
+pub struct PendingChat {
+    pub facts: ChatFacts,
+    pub(crate) prompt_text: Option<Arc<str>>,
+    pub(crate) body: Option<Map<String, Value>>,
+    pub(crate) selection: BoxFuture<'static, Result<Selection, SelectionFailure>>,
+    pub(crate) upstream: UpstreamHeader,
+    pub(crate) random: Arc<dyn RandomSource>,
+    pub(crate) prefill_timeout_ms: u64,
+}
+
+impl PendingChat {
+    /// Polls the selection. When it is pending, `waiting_on_callouts` says whether any callout it
+    /// started is still out: a selection with nothing to wake it can never finish, so it fails.
+    pub fn poll(&mut self, waiting_on_callouts: impl FnOnce() -> bool) -> Poll<ChatOutcome> {
+        let mut cx = Context::from_waker(Waker::noop());
+        let selection = match self.selection.as_mut().poll(&mut cx) {
+            Poll::Pending if waiting_on_callouts() => return Poll::Pending,
+            Poll::Pending => {
+                let error =
+                    RouteError::new(ErrorKind::InvalidConfiguration, "the selection is waiting, but on no callout");
+                return Poll::Ready(ChatOutcome {
+                    counters: vec![metrics::error_outcome(error.kind)],
+                    result: Err(error),
+                });
+            }
+            Poll::Ready(Err(failure)) => {
+                return Poll::Ready(ChatOutcome {
+                    counters: metrics::failed(&failure),
+                    result: Err(failure.to_route_error()),
+                })
+            }
+            Poll::Ready(Ok(selection)) => selection,
+        };
+        let counters = metrics::selected(&selection);
+        let (target, pd) = match &selection.pick {
+            BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
+            BucketPick::Pd { prefill, decode } => {
+                let body = self.body.take().unwrap_or_default();
+                let (body, rooms) = bootstrap_body(body, &prefill.worker, self.facts.n, self.random.as_ref());
+                let pd = PdDispatch {
+                    prefill: Arc::clone(&prefill.worker),
+                    body,
+                    rooms,
+                    prefill_timeout_ms: self.prefill_timeout_ms,
+                };
+                let target = Target::Pd { prefill: Arc::clone(&prefill.worker), decode: Arc::clone(&decode.worker) };
+                (target, Some(pd))
+            }
+        };
+        // Recorded for the engine that does the prefill work, never for a discarded attempt.
+        let prefix_event = self.prompt_text.as_ref().map(|text| PrefixEvent::Stored {
+            model: self.facts.model.clone(),
+            worker: target.prefill_work().id.clone(),
+            text: text.to_string(),
+            tier: Tier::Gpu,
+        });
+        Poll::Ready(ChatOutcome {
+            counters,
+            result: Ok(Decision {
+                bucket_id: selection.bucket_id,
+                upstream_header: self.upstream.for_worker(target.upstream()),
+                target,
+                pd,
+                prefix_event,
+            }),
+        })
+    }
+}

@@ -1,0 +1,382 @@
+//! The singleton service's core (design "How state walks"): on each tick it says which health
+//! checks and load polls are due, publishes the load and health tables when they change, expires
+//! idle affinity bindings, reclaims the in-flight shares of filter VMs that died, and applies the
+//! filters' prefix events to the authoritative trees. The glue (`proxy/service`) only dispatches
+//! the polls it is given and hands the answers back.
+
+use std::sync::Arc;
+
+use super::factory::{self, prefix_budgets};
+use super::metrics::label;
+use super::upstream::UpstreamAnswer;
+use crate::config::RouterConfig;
+use crate::host::{CalloutRequest, Host};
+use crate::registry::Worker;
+use crate::state::affinity_store::{AffinityStore, BindingKind};
+use crate::state::health::HealthMonitor;
+use crate::state::kv_events::{PrefixEvent, PrefixLog};
+use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
+use crate::state::{keys, shared, vm_registry};
+
+/// The longest the service sleeps between ticks.
+const TICK_MS: u64 = 100;
+
+/// What a poll was for, so its answer goes back to the right monitor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollKind {
+    Health(usize),
+    Load(usize),
+}
+
+/// A poll the glue should dispatch now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PollRequest {
+    pub kind: PollKind,
+    pub request: CalloutRequest,
+}
+
+/// What one tick asks of the glue.
+#[derive(Debug, Default)]
+pub struct TickPlan {
+    pub polls: Vec<PollRequest>,
+    /// Gauges to export, when they are due.
+    pub gauges: Vec<(String, u64)>,
+}
+
+pub struct ServiceCore {
+    host: Arc<dyn Host>,
+    config: RouterConfig,
+    workers: Vec<Arc<Worker>>,
+    health: HealthMonitor,
+    load: LoadPoller,
+    /// Reads the filters' shared counts (the service dispatches nothing itself).
+    inflight: SharedInflight,
+    health_published: bool,
+    last_sweep_ms: u64,
+    last_affinity_sweep_ms: u64,
+    prefixes: PrefixLog,
+    affinity: AffinityStore,
+}
+
+impl ServiceCore {
+    pub fn new(config: RouterConfig, host: Arc<dyn Host>) -> Self {
+        let workers = factory::registry(&config).all().to_vec();
+        let health = HealthMonitor::new(factory::health_thresholds(&config.health), &workers);
+        let load = LoadPoller::new(factory::report_endpoint(config.load.source), config.load.interval_ms, &workers);
+        let prefixes = PrefixLog::new(prefix_budgets(&config));
+        if let Err(e) = prefixes.publish_start(host.as_ref()) {
+            log::warn!("prefix log not started: {e}");
+        }
+        Self {
+            prefixes,
+            affinity: AffinityStore::new(Arc::clone(&host)),
+            inflight: SharedInflight::new(Arc::clone(&host), 0),
+            host,
+            config,
+            workers,
+            health,
+            load,
+            health_published: false,
+            last_sweep_ms: 0,
+            last_affinity_sweep_ms: 0,
+        }
+    }
+
+    pub fn tick_period_ms(&self) -> u64 {
+        TICK_MS.min(self.config.health.interval_ms).min(self.config.load.interval_ms).max(10)
+    }
+
+    fn poll(&self, kind: PollKind, worker: &Worker, path: &str, timeout_ms: u64) -> PollRequest {
+        PollRequest {
+            kind,
+            request: CalloutRequest {
+                cluster: worker.cluster.clone(),
+                method: "GET".to_string(),
+                path: path.to_string(),
+                authority: worker.address.host_port(),
+                headers: Vec::new(),
+                body: None,
+                timeout_ms,
+            },
+        }
+    }
+
+    /// Everything due at `now`: the polls to dispatch, tables published, sweeps run.
+    pub fn tick(&mut self, now: u64) -> TickPlan {
+        let mut plan = TickPlan::default();
+        if !self.health_published {
+            self.publish_health();
+        }
+        for index in self.health.due(now) {
+            if let Some(w) = self.workers.get(index) {
+                let (path, timeout) = (&self.config.health.path, self.config.health.timeout_ms);
+                plan.polls.push(self.poll(PollKind::Health(index), w, path, timeout));
+            }
+        }
+        if let Some(path) = self.load.path() {
+            for index in self.load.due(now) {
+                if let Some(w) = self.workers.get(index) {
+                    plan.polls.push(self.poll(PollKind::Load(index), w, path, self.config.load.timeout_ms));
+                }
+            }
+        }
+        self.publish_load();
+        if now.saturating_sub(self.last_affinity_sweep_ms) >= self.config.affinity_sweep_ms {
+            self.last_affinity_sweep_ms = now;
+            self.sweep_affinity();
+        }
+        if now.saturating_sub(self.last_sweep_ms) >= vm_registry::HEARTBEAT_MS {
+            self.last_sweep_ms = now;
+            self.sweep_dead_vms(now);
+            plan.gauges = self.gauges(now);
+        }
+        plan
+    }
+
+    /// A poll could not even be dispatched: a health check counts as failed, so it is not retried
+    /// forever; a load poll records nothing, so the old report ages out.
+    pub fn not_dispatched(&mut self, kind: PollKind, now: u64) {
+        match kind {
+            PollKind::Health(index) => {
+                if self.health.abandon(index) {
+                    self.health_flipped(index, false);
+                }
+            }
+            PollKind::Load(index) => {
+                let _ = self.load.record(index, None, now, 0);
+            }
+        }
+    }
+
+    /// A poll answered (`status: None` for a timeout or connection failure).
+    pub fn on_poll_answer(&mut self, kind: PollKind, status: Option<u16>, body: &[u8], now: u64) {
+        let ok = UpstreamAnswer::from_status(status).succeeded();
+        match kind {
+            PollKind::Health(index) => {
+                if self.health.record(index, ok) {
+                    self.health_flipped(index, ok);
+                }
+            }
+            PollKind::Load(index) => {
+                let dispatches = self.workers.get(index).map(|w| self.inflight.dispatched_total(&w.id)).unwrap_or(0);
+                if let Err(e) = self.load.record(index, ok.then_some(body), now, dispatches) {
+                    if let Some(w) = self.workers.get(index) {
+                        log::warn!("load report of {} not understood: {e}", w.id);
+                    }
+                }
+                self.publish_load();
+            }
+        }
+    }
+
+    fn health_flipped(&mut self, index: usize, healthy: bool) {
+        if let Some(w) = self.workers.get(index) {
+            log::info!("worker {} is now {}", w.id, if healthy { "healthy" } else { "unhealthy" });
+            if !healthy {
+                // What a failed engine cached is unknown once it comes back.
+                let cleared = PrefixEvent::AllCleared { worker: w.id.clone() };
+                if let Err(e) = self.prefixes.append(self.host.as_ref(), vec![cleared]) {
+                    log::warn!("prefix invalidation of {} not logged: {e}", w.id);
+                }
+            }
+        }
+        self.publish_health();
+    }
+
+    /// The prefix events the filters queued, appended to the log as one batch.
+    pub fn on_prefix_messages(&mut self, messages: impl IntoIterator<Item = Vec<u8>>) {
+        let events: Vec<PrefixEvent> = messages
+            .into_iter()
+            .filter_map(|m| match serde_json::from_slice::<PrefixEvent>(&m) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    log::warn!("prefix event not understood: {e}");
+                    None
+                }
+            })
+            .collect();
+        if let Err(e) = self.prefixes.append(self.host.as_ref(), events) {
+            log::warn!("prefix events not logged: {e}");
+        }
+    }
+
+    fn publish_load(&mut self) {
+        if let Some(table) = self.load.take_publication() {
+            if let Err(e) = shared::publish(self.host.as_ref(), keys::LOAD_TABLE, &table) {
+                log::warn!("load table not published: {e}");
+            }
+        }
+    }
+
+    fn publish_health(&mut self) {
+        match serde_json::to_vec(&self.health.table()) {
+            Ok(bytes) => match shared::publish(self.host.as_ref(), keys::HEALTH_TABLE, &bytes) {
+                Ok(_) => self.health_published = true,
+                Err(e) => log::warn!("health table not published: {e}"),
+            },
+            Err(e) => log::warn!("health table not encoded: {e}"),
+        }
+    }
+
+    /// Expires idle session and sticky bindings, and bindings to engines no longer configured.
+    fn sweep_affinity(&self) {
+        let models = &self.config.models;
+        let idle = |model: &str, kind: BindingKind| {
+            models.get(model).map_or(0, |m| match kind {
+                BindingKind::Session => m.session_idle_ms,
+                BindingKind::Sticky => m.sticky_idle_ms,
+            })
+        };
+        let known = |id: &str| self.workers.iter().any(|w| w.id == id);
+        let removed = self.affinity.sweep(&idle, &known);
+        if removed > 0 {
+            log::info!("expired {removed} idle affinity bindings");
+        }
+    }
+
+    /// A filter VM that stopped heartbeating crashed (FAIL_RELOAD made a new one); what it held
+    /// would otherwise stay counted forever.
+    fn sweep_dead_vms(&self, now: u64) {
+        let dead = match vm_registry::sweep(self.host.as_ref(), now) {
+            Ok(dead) => dead,
+            Err(e) => {
+                log::warn!("VM sweep failed: {e}");
+                return;
+            }
+        };
+        if dead.is_empty() {
+            return;
+        }
+        for worker in &self.workers {
+            match SharedInflight::reclaim(self.host.as_ref(), &worker.id, &dead) {
+                Ok(0) => {}
+                Ok(n) => log::warn!("reclaimed {n} in-flight requests of {} from {} dead VMs", worker.id, dead.len()),
+                Err(e) => log::warn!("in-flight of {} not reclaimed: {e}", worker.id),
+            }
+        }
+    }
+
+    fn gauges(&self, now: u64) -> Vec<(String, u64)> {
+        let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
+        let mut gauges = Vec::with_capacity(2 * self.workers.len() + 8);
+        let mut fresh = 0;
+        for w in &self.workers {
+            let id = label(&w.id);
+            gauges.push((format!("sgl_router_inflight.worker.{id}"), self.inflight.inflight(&w.id)));
+            let has_report = snapshot.get(&w.id).is_some();
+            fresh += u64::from(has_report);
+            gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), u64::from(has_report)));
+        }
+        let unhealthy = self.health.table().unhealthy.len() as u64;
+        let bytes: u64 = self.prefixes.trees().values().map(|t| t.size_bytes()).sum();
+        gauges.extend([
+            ("sgl_router_fresh_load_reports".to_string(), fresh),
+            ("sgl_router_healthy_workers".to_string(), (self.workers.len() as u64).saturating_sub(unhealthy)),
+            ("sgl_router_health_published".to_string(), u64::from(self.health_published)),
+            ("sgl_router_prefix_log_head".to_string(), self.prefixes.head()),
+            ("sgl_router_prefix_service_bytes".to_string(), bytes),
+            ("sgl_router_affinity_bindings".to_string(), self.affinity.len() as u64),
+        ]);
+        gauges
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::MemoryHost;
+    use crate::state::health::HealthTable;
+    use crate::state::load_monitor::{LoadView, SharedLoadView};
+
+    fn config(extra: &str) -> RouterConfig {
+        crate::config::parse_and_validate(&format!(
+            r#"{{"workers": [{{"id": "A", "url": "http://127.0.0.1:1", "model": "m"}},
+                            {{"id": "B", "url": "http://127.0.0.1:2", "model": "m"}}],
+                "health": {{"interval_ms": 100, "failure_threshold": 2, "success_threshold": 1}},
+                "load": {{"interval_ms": 50}}
+                {extra},
+                "models": {{"m": {{"buckets": [{{"id": "b", "groups": {{"plain": {{"policy": {{"type": "cache_aware"}}}}}}}}]}}}}}}"#
+        ))
+        .unwrap()
+    }
+
+    fn service() -> (Arc<MemoryHost>, ServiceCore) {
+        let host = Arc::new(MemoryHost::default());
+        let core = ServiceCore::new(config(""), host.clone());
+        (host, core)
+    }
+
+    fn health(host: &MemoryHost) -> HealthTable {
+        shared::VersionedReader::<HealthTable>::new(keys::HEALTH_TABLE).current(host).cloned().unwrap_or_default()
+    }
+
+    #[test]
+    fn the_first_tick_publishes_health_and_asks_for_every_check_and_poll() {
+        let (host, mut core) = service();
+        let plan = core.tick(0);
+        let kinds: Vec<PollKind> = plan.polls.iter().map(|p| p.kind).collect();
+        assert_eq!(kinds, [PollKind::Health(0), PollKind::Health(1), PollKind::Load(0), PollKind::Load(1)]);
+        let health = &plan.polls[0].request;
+        assert_eq!(
+            (health.cluster.as_str(), health.path.as_str(), health.method.as_str()),
+            ("sgl_A", "/health", "GET")
+        );
+        assert_eq!(plan.polls[2].request.path, "/v1/loads");
+        assert_eq!(health_published(&host), Some(HealthTable::default()));
+        assert!(core.tick(10).polls.is_empty(), "nothing is due again while the polls are out");
+        let later = core.tick(vm_registry::HEARTBEAT_MS);
+        assert!(later.gauges.contains(&("sgl_router_healthy_workers".to_string(), 2)), "{:?}", later.gauges);
+    }
+
+    fn health_published(host: &MemoryHost) -> Option<HealthTable> {
+        shared::VersionedReader::<HealthTable>::new(keys::HEALTH_TABLE).current(host).cloned()
+    }
+
+    #[test]
+    fn failed_checks_flip_health_publish_it_and_clear_the_workers_prefixes() {
+        let (host, mut core) = service();
+        core.on_prefix_messages([serde_json::to_vec(&PrefixEvent::Stored {
+            model: "m".into(),
+            worker: "A".into(),
+            text: "hello world".into(),
+            tier: crate::state::kv_events::Tier::Gpu,
+        })
+        .unwrap()]);
+        let head = core.prefixes.head();
+        core.tick(0);
+        core.on_poll_answer(PollKind::Health(0), Some(503), b"", 1);
+        assert!(health(&host).unhealthy.is_empty(), "one failure is below the threshold");
+        core.tick(100);
+        core.on_poll_answer(PollKind::Health(0), None, b"", 101);
+        assert_eq!(health(&host).unhealthy, ["A"]);
+        assert_eq!(core.prefixes.head(), head + 1, "the unhealthy engine's prefixes are cleared");
+        core.tick(200);
+        core.on_poll_answer(PollKind::Health(0), Some(200), b"", 201);
+        assert!(health(&host).unhealthy.is_empty(), "one success recovers it");
+    }
+
+    #[test]
+    fn an_undispatchable_check_counts_as_failed() {
+        let (host, mut core) = service();
+        core.tick(0);
+        core.not_dispatched(PollKind::Health(1), 0);
+        core.tick(100);
+        core.not_dispatched(PollKind::Health(1), 100);
+        assert_eq!(health(&host).unhealthy, ["B"]);
+    }
+
+    #[test]
+    fn load_answers_are_published_and_failed_ones_are_not() {
+        let (host, mut core) = service();
+        core.tick(0);
+        let report = br#"{"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1,
+            "num_used_tokens": 10, "max_total_num_tokens": 100, "max_running_requests": 8}]}"#;
+        host.set_now_ms(5);
+        core.on_poll_answer(PollKind::Load(0), Some(200), report, 5);
+        core.on_poll_answer(PollKind::Load(1), Some(500), report, 5);
+        let view = SharedLoadView::new(host.clone(), 1000);
+        let snapshot = view.snapshot();
+        assert_eq!(snapshot.get("A").and_then(|l| l.running), Some(3));
+        assert!(snapshot.get("B").is_none(), "a 500 answer is not a report");
+    }
+}
