@@ -16,6 +16,8 @@ pub enum Membership {
     Only(HashSet<String>),
 }
 
+/// The engines of one stage in one bucket and the policy that picks among them (design §2). It
+/// owns membership and validates its policy's answer; it never looks at another bucket.
 #[derive(Debug)]
 pub struct EngineGroup {
     stage: Role,
@@ -29,6 +31,7 @@ impl EngineGroup {
         Self { stage, membership: Membership::All, policy }
     }
 
+    /// A group of the listed workers only (`worker_ids: []` is a group of none).
     pub fn with_members(stage: Role, members: impl IntoIterator<Item = String>, policy: Arc<dyn Policy>) -> Self {
         Self { stage, membership: Membership::Only(members.into_iter().collect()), policy }
     }
@@ -121,6 +124,7 @@ pub struct StageError {
     pub error: PickError,
 }
 
+/// A length range and context capacity with its groups; it owns the complete plain or PD pick.
 #[derive(Debug)]
 pub struct Bucket {
     pub id: String,
@@ -226,4 +230,278 @@ fn order(a: &Bucket, b: &Bucket) -> Ordering {
 }
 
 #[cfg(test)]
-pub(crate) mod tests;
+mod tests {
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::policies::{PickReason, PickRequest};
+    use crate::testing::{now, worker_with, Scripted};
+
+    fn live(workers: &[Arc<Worker>], unhealthy: &[&str]) -> LiveWorkers {
+        let mut sorted = workers.to_vec();
+        sorted.sort_by(|a, b| a.id.cmp(&b.id));
+        LiveWorkers::new(sorted.into(), Arc::new(unhealthy.iter().map(|s| s.to_string()).collect()))
+    }
+
+    fn plain(id: &str) -> Arc<Worker> {
+        worker_with(id, Role::Plain, "m")
+    }
+
+    fn bucket(id: &str, rank: i64, min: u64, max: Option<u64>, ctx: Option<u64>) -> Bucket {
+        Bucket {
+            id: id.to_string(),
+            rank,
+            min_input: min,
+            max_input: max,
+            max_context: ctx,
+            groups: BucketGroups::Plain(EngineGroup::new(Role::Plain, Scripted::first())),
+        }
+    }
+
+    fn ids(buckets: &[Arc<Bucket>]) -> Vec<&str> {
+        buckets.iter().map(|b| b.id.as_str()).collect()
+    }
+
+    fn request(stage: Role) -> PickRequest<'static> {
+        crate::testing::request(stage)
+    }
+
+    // ---- BucketResolver::resolve (design §3) ----
+
+    #[test]
+    fn a_known_peak_below_the_input_is_an_invalid_signal() {
+        let r = BucketResolver::new(vec![bucket("a", 0, 0, None, None)]);
+        assert_eq!(r.resolve(10, Some(9)).unwrap_err(), ResolveError::PeakBelowInput { input: 10, peak: 9 });
+        assert!(r.resolve(10, Some(10)).is_ok());
+    }
+
+    #[test]
+    fn the_input_range_is_inclusive() {
+        let r = BucketResolver::new(vec![bucket("a", 0, 10, Some(20), None)]);
+        assert!(r.resolve(9, None).unwrap().is_empty());
+        assert_eq!(ids(&r.resolve(10, None).unwrap()), ["a"]);
+        assert_eq!(ids(&r.resolve(20, None).unwrap()), ["a"]);
+        assert!(r.resolve(21, None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn context_capacity_is_checked_against_input_plus_output_when_known() {
+        let r = BucketResolver::new(vec![bucket("a", 0, 0, None, Some(100))]);
+        assert_eq!(ids(&r.resolve(50, Some(100)).unwrap()), ["a"]);
+        assert!(r.resolve(50, Some(101)).unwrap().is_empty());
+    }
+
+    #[test]
+    fn context_capacity_is_checked_against_input_when_output_is_unknown() {
+        let r = BucketResolver::new(vec![bucket("a", 0, 0, None, Some(100))]);
+        assert_eq!(ids(&r.resolve(100, None).unwrap()), ["a"]);
+        assert!(r.resolve(101, None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn buckets_are_ordered_by_capacity_with_unbounded_last() {
+        let r = BucketResolver::new(vec![
+            bucket("unbounded", 0, 0, None, None),
+            bucket("big", 0, 0, Some(1000), None),
+            bucket("small", 0, 0, None, Some(100)),
+        ]);
+        assert_eq!(ids(&r.resolve(10, None).unwrap()), ["small", "big", "unbounded"]);
+    }
+
+    #[test]
+    fn capacity_is_the_lesser_of_the_input_bound_and_the_context() {
+        // a: input bound 500, context 50 000 → 500; b: input bound 10 000, context 400 → 400.
+        let r = BucketResolver::new(vec![
+            bucket("a", 0, 0, Some(500), Some(50_000)),
+            bucket("b", 0, 0, Some(10_000), Some(400)),
+        ]);
+        assert_eq!(ids(&r.resolve(10, None).unwrap()), ["b", "a"]);
+    }
+
+    #[test]
+    fn capacity_ties_are_broken_by_rank_then_id() {
+        let r = BucketResolver::new(vec![
+            bucket("z", 1, 0, Some(100), None),
+            bucket("y", 2, 0, Some(100), None),
+            bucket("x", 2, 0, Some(100), None),
+            bucket("w", 0, 0, None, None),
+            bucket("v", 0, 0, None, None),
+        ]);
+        assert_eq!(ids(&r.resolve(10, None).unwrap()), ["z", "x", "y", "v", "w"]);
+    }
+
+    #[test]
+    fn the_resolver_returns_the_whole_ordered_list_or_nothing() {
+        let r = BucketResolver::new(vec![bucket("a", 0, 0, Some(10), None), bucket("b", 0, 0, Some(20), None)]);
+        assert_eq!(ids(&r.resolve(5, None).unwrap()), ["a", "b"]);
+        assert!(r.resolve(30, None).unwrap().is_empty());
+    }
+
+    /// Design §7: a 4k input with a 16k peak cannot use the short bucket; a peak ≤ 8k selects it.
+    #[test]
+    fn design_example_4k_input_with_16k_peak_selects_long_and_8k_peak_selects_short() {
+        let r = BucketResolver::new(vec![
+            bucket("long-context", 20, 0, Some(131_072), Some(131_072)),
+            bucket("short-context", 10, 0, Some(4096), Some(8192)),
+        ]);
+        assert_eq!(ids(&r.resolve(4000, Some(16_000)).unwrap()), ["long-context"]);
+        assert_eq!(ids(&r.resolve(4000, Some(8192)).unwrap()), ["short-context", "long-context"]);
+    }
+
+    proptest! {
+        #[test]
+        fn resolved_buckets_all_fit_and_are_sorted(
+            specs in proptest::collection::vec((0u64..50, proptest::option::of(50u64..200), proptest::option::of(10u64..300), -3i64..3), 0..12),
+            input in 0u64..250,
+            extra in proptest::option::of(0u64..100),
+        ) {
+            let buckets: Vec<Bucket> = specs.iter().enumerate().map(|(i, (min, max, ctx, rank))| bucket(&format!("b{i:02}"), *rank, *min, *max, *ctx)).collect();
+            let resolver = BucketResolver::new(buckets);
+            let peak = extra.map(|e| input + e);
+            let resolved = resolver.resolve(input, peak).unwrap();
+            // Exactly the fitting buckets…
+            let expected: HashSet<&str> = resolver.buckets().iter().filter(|b| b.fits(input, peak)).map(|b| b.id.as_str()).collect();
+            prop_assert_eq!(resolved.iter().map(|b| b.id.as_str()).collect::<HashSet<_>>(), expected);
+            // …in capacity, rank, id order.
+            for pair in resolved.windows(2) {
+                let key = |b: &Bucket| (b.capacity().map_or((1, 0), |c| (0, c)), b.rank, b.id.clone());
+                prop_assert!(key(&pair[0]) < key(&pair[1]));
+            }
+        }
+    }
+
+    // ---- EngineGroup::pick (design §2) ----
+
+    #[test]
+    fn a_group_filters_by_model_health_stage_and_membership_and_sorts_by_id() {
+        let ws = vec![
+            plain("C"),
+            plain("A"),
+            plain("B"),
+            worker_with("D", Role::Plain, "other-model"),
+            worker_with("P", Role::Prefill, "m"),
+            plain("E"),
+        ];
+        let policy = Scripted::first();
+        let group = EngineGroup::with_members(Role::Plain, ["A", "B", "C", "D", "P"].map(String::from), policy.clone());
+        let pick = now(group.pick(&live(&ws, &["B"]), &request(Role::Plain))).unwrap();
+        assert_eq!(pick.worker.id, "A");
+        assert_eq!(
+            policy.offered.lock().unwrap()[0],
+            ["A", "C"],
+            "E is not a member, B unhealthy, D another model, P another role"
+        );
+    }
+
+    #[test]
+    fn omitted_membership_means_every_engine_and_an_empty_one_none() {
+        let ws = vec![plain("A"), plain("B")];
+        let all = Scripted::first();
+        now(EngineGroup::new(Role::Plain, all.clone()).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap();
+        assert_eq!(all.offered.lock().unwrap()[0], ["A", "B"]);
+
+        let none = Scripted::first();
+        let group = EngineGroup::with_members(Role::Plain, Vec::<String>::new(), none.clone());
+        assert!(matches!(now(group.pick(&live(&ws, &[]), &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
+        assert!(none.offered.lock().unwrap().is_empty(), "the policy is not invoked without candidates");
+    }
+
+    #[test]
+    fn a_result_outside_the_candidates_is_rejected() {
+        let ws = vec![plain("A")];
+        let foreign = plain("Z");
+        let policy = Scripted::new(move |_| Ok(Pick { worker: Arc::clone(&foreign), reason: PickReason::Rotation }));
+        let err = now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap_err();
+        assert_eq!(err, PickError::OutsideCandidates { worker: "Z".into() });
+    }
+
+    #[test]
+    fn a_new_allocation_with_a_candidates_id_is_rejected() {
+        let ws = vec![plain("A")];
+        let policy = Scripted::new(|_| Ok(Pick { worker: plain("A"), reason: PickReason::Rotation }));
+        let err = now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap_err();
+        assert_eq!(err, PickError::OutsideCandidates { worker: "A".into() });
+    }
+
+    // ---- Bucket::pick_engines ----
+
+    fn pd_bucket(id: &str, prefill: Arc<Scripted>, decode: Arc<Scripted>) -> Bucket {
+        Bucket {
+            id: id.to_string(),
+            rank: 0,
+            min_input: 0,
+            max_input: None,
+            max_context: None,
+            groups: BucketGroups::Pd {
+                prefill: EngineGroup::new(Role::Prefill, prefill),
+                decode: EngineGroup::new(Role::Decode, decode),
+            },
+        }
+    }
+
+    fn pd_workers() -> Vec<Arc<Worker>> {
+        vec![worker_with("P1", Role::Prefill, "m"), worker_with("D1", Role::Decode, "m")]
+    }
+
+    fn bucket_request() -> BucketRequest {
+        BucketRequest { model: "m".into(), input_tokens: 10, ..BucketRequest::default() }
+    }
+
+    #[test]
+    fn a_pd_bucket_picks_both_engines_from_its_own_groups() {
+        let b = pd_bucket("b", Scripted::first(), Scripted::first());
+        let pick = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap();
+        let BucketPick::Pd { prefill, decode } = pick else { panic!("not a PD pick") };
+        assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("P1", "D1"));
+    }
+
+    #[test]
+    fn each_group_gets_a_stage_specific_request_with_the_bucket_id() {
+        #[derive(Debug, Default)]
+        struct Recording(Mutex<Vec<(Role, String, Option<String>)>>);
+        impl Policy for Recording {
+            fn pick<'a>(
+                &'a self,
+                engines: &'a [Arc<Worker>],
+                r: &'a PickRequest<'a>,
+            ) -> BoxFuture<'a, Result<Pick, PickError>> {
+                self.0.lock().unwrap().push((r.stage, r.bucket_id.to_string(), r.session_key.map(String::from)));
+                Box::pin(std::future::ready(Ok(Pick { worker: Arc::clone(&engines[0]), reason: PickReason::Rotation })))
+            }
+        }
+        let rec = Arc::new(Recording::default());
+        let b = Bucket {
+            groups: BucketGroups::Pd {
+                prefill: EngineGroup::new(Role::Prefill, rec.clone()),
+                decode: EngineGroup::new(Role::Decode, rec.clone()),
+            },
+            ..pd_bucket("short", Scripted::first(), Scripted::first())
+        };
+        let req = BucketRequest { session_key: Some("s1".into()), ..bucket_request() };
+        now(b.pick_engines(&live(&pd_workers(), &[]), &req)).unwrap();
+        let seen = rec.0.lock().unwrap().clone();
+        assert_eq!(
+            seen,
+            vec![(Role::Prefill, "short".into(), Some("s1".into())), (Role::Decode, "short".into(), Some("s1".into()))]
+        );
+    }
+
+    #[test]
+    fn a_decode_failure_discards_the_prefill_choice_and_names_its_stage() {
+        let b = pd_bucket("b", Scripted::first(), Scripted::failing(PickError::no_candidates("none")));
+        let err = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap_err();
+        assert_eq!(err.stage, Role::Decode);
+    }
+
+    #[test]
+    fn a_prefill_failure_skips_the_decode_group() {
+        let decode = Scripted::first();
+        let b = pd_bucket("b", Scripted::failing(PickError::no_candidates("none")), decode.clone());
+        let err = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap_err();
+        assert_eq!(err.stage, Role::Prefill);
+        assert!(decode.offered.lock().unwrap().is_empty());
+    }
+}

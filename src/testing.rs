@@ -1,9 +1,10 @@
 //! Fixtures shared by the crate's unit tests: workers, load reports, policy state, requests.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::config::AdmissionLimits;
 use crate::policies::admission::AdmissionGate;
+use crate::policies::{BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Role;
 use crate::registry::{EngineAddress, Worker};
 use crate::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
@@ -89,5 +90,48 @@ pub fn now<T>(mut f: crate::policies::BoxFuture<'_, T>) -> T {
     match f.as_mut().poll(&mut cx) {
         std::task::Poll::Ready(v) => v,
         std::task::Poll::Pending => panic!("a local policy returned a pending future"),
+    }
+}
+
+type Answer = Box<dyn Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send>;
+
+/// Returns a scripted answer and records which candidates it was offered.
+#[derive(Default)]
+pub struct Scripted {
+    answer: Mutex<Option<Answer>>,
+    pub offered: Mutex<Vec<Vec<String>>>,
+}
+
+impl Scripted {
+    pub fn new(answer: impl Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send + 'static) -> Arc<Self> {
+        Arc::new(Self { answer: Mutex::new(Some(Box::new(answer))), offered: Mutex::default() })
+    }
+
+    /// Takes the first candidate.
+    pub fn first() -> Arc<Self> {
+        Self::new(|c| Ok(Pick { worker: Arc::clone(&c[0]), reason: PickReason::Rotation }))
+    }
+
+    pub fn failing(error: PickError) -> Arc<Self> {
+        Self::new(move |_| Err(error.clone()))
+    }
+}
+
+impl std::fmt::Debug for Scripted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Scripted")
+    }
+}
+
+impl Policy for Scripted {
+    fn pick<'a>(
+        &'a self,
+        engines: &'a [Arc<Worker>],
+        _: &'a PickRequest<'a>,
+    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+        self.offered.lock().unwrap().push(engines.iter().map(|w| w.id.clone()).collect());
+        let answer = self.answer.lock().unwrap();
+        let result = (answer.as_ref().unwrap())(engines);
+        Box::pin(std::future::ready(result))
     }
 }

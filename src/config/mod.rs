@@ -63,4 +63,283 @@ fn deserialize_with_path<T: DeserializeOwned>(value: serde_json::Value) -> Resul
 }
 
 #[cfg(test)]
-mod tests;
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::registry::Role;
+
+    fn minimal() -> Value {
+        json!({
+            "workers": [
+                {"id": "A", "url": "http://127.0.0.1:30001", "model": "m"},
+                {"id": "B", "url": "http://127.0.0.1:30002", "model": "m"}
+            ],
+            "models": {"m": {"buckets": [{"id": "default", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]}}
+        })
+    }
+
+    fn pd() -> Value {
+        json!({
+            "workers": [
+                {"id": "P1", "url": "http://10.0.0.1:30000", "model": "m", "role": "prefill", "bootstrap_port": 8998},
+                {"id": "D1", "url": "http://10.0.0.2:30000", "model": "m", "role": "decode"}
+            ],
+            "models": {"m": {"buckets": [{
+                "id": "short", "rank": 10, "limits": {"min": 0, "max": 4096}, "max_context_tokens": 8192,
+                "groups": {"pd": {
+                    "prefill": {"worker_ids": ["P1"], "policy": {"type": "cache_aware", "admission": {"max_running_requests": 64}}},
+                    "decode": {"worker_ids": ["D1"], "policy": {"type": "power_of_two"}}
+                }}
+            }]}}
+        })
+    }
+
+    fn errors(value: Value) -> Vec<ConfigError> {
+        match from_value(value) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.0,
+        }
+    }
+
+    fn has_error(value: Value, path: &str, needle: &str) {
+        let found = errors(value);
+        assert!(
+            found.iter().any(|e| e.path == path && e.message.contains(needle)),
+            "expected `{path}: …{needle}…`, got {found:?}"
+        );
+    }
+
+    #[test]
+    fn minimal_config_gets_the_spec_defaults() {
+        let c = from_value(minimal()).unwrap();
+        assert_eq!(c.upstream.mode, UpstreamMode::ClusterHeader);
+        assert_eq!(c.upstream.header_name(), "x-sgl-cluster");
+        assert_eq!(c.load.source, LoadSource::SglangLoads);
+        assert_eq!((c.load.interval_ms, c.load.timeout_ms, c.load.stale_after_ms), (250, 200, 2000));
+        assert_eq!(c.health.path, "/health");
+        assert_eq!((c.health.interval_ms, c.health.timeout_ms), (2000, 1000));
+        assert_eq!((c.health.failure_threshold, c.health.success_threshold), (3, 2));
+        assert_eq!(c.circuit_breaker, None);
+        assert_eq!(c.pd.prefill_timeout_ms, 300_000);
+        assert_eq!((c.timeouts.request_ms, c.timeouts.stream_idle_ms), (0, 300_000));
+        assert_eq!(c.tokens.bytes_per_token, 4);
+        assert_eq!(c.affinity_sweep_ms, 60_000);
+        let m = &c.models["m"];
+        assert_eq!(m.session_id_header, "x-session-id");
+        assert_eq!(m.routing_key_header, "x-sgl-routing-key");
+        assert_eq!((m.session_idle_ms, m.sticky_idle_ms), (600_000, 600_000));
+        let b = &m.buckets[0];
+        assert_eq!((b.rank, b.limits.min, b.limits.max, b.max_context_tokens), (0, 0, None, None));
+        assert_eq!(c.workers[0].role, Role::Plain);
+        assert_eq!(c.workers[0].dp_size, 1);
+    }
+
+    #[test]
+    fn original_dst_defaults_its_header() {
+        let mut v = minimal();
+        v["upstream"] = json!({"mode": "original_dst"});
+        assert_eq!(from_value(v).unwrap().upstream.header_name(), "x-gateway-destination-endpoint");
+    }
+
+    #[test]
+    fn pd_example_validates() {
+        let c = from_value(pd()).unwrap();
+        assert!(matches!(c.models["m"].buckets[0].groups, GroupsConfig::Pd(_)));
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected_with_their_path() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["limitz"] = json!({});
+        has_error(v, "models.m.buckets[0].limitz", "unknown field");
+        let mut v = minimal();
+        v["health"] = json!({"intervl_ms": 5});
+        has_error(v, "health.intervl_ms", "unknown field");
+    }
+
+    #[test]
+    fn unknown_admission_fields_are_rejected() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_runing_requests": 1});
+        let found = errors(v);
+        assert!(found.iter().any(|e| e.message.contains("max_runing_requests")), "{found:?}");
+    }
+
+    #[test]
+    fn a_group_without_policy_is_rejected() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"] = json!({"worker_ids": ["A"]});
+        has_error(v, "models.m.buckets[0].groups.plain", "policy");
+    }
+
+    #[test]
+    fn a_bucket_cannot_be_both_plain_and_pd() {
+        let mut v = pd();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"] = json!({"policy": {"type": "random"}});
+        assert!(!errors(v).is_empty());
+    }
+
+    #[test]
+    fn a_pd_bucket_needs_both_groups() {
+        let mut v = pd();
+        v["models"]["m"]["buckets"][0]["groups"]["pd"].as_object_mut().unwrap().remove("decode");
+        has_error(v, "models.m.buckets[0].groups.pd", "decode");
+    }
+
+    #[test]
+    fn bucket_ids_are_unique_and_non_empty() {
+        let mut v = minimal();
+        let bucket = v["models"]["m"]["buckets"][0].clone();
+        v["models"]["m"]["buckets"].as_array_mut().unwrap().push(bucket);
+        has_error(v, "models.m.buckets[1].id", "duplicate bucket id");
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["id"] = json!(" ");
+        has_error(v, "models.m.buckets[0].id", "must not be empty");
+    }
+
+    #[test]
+    fn ranges_must_be_sane() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["limits"] = json!({"min": 10, "max": 5});
+        has_error(v, "models.m.buckets[0].limits", "below min");
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["max_context_tokens"] = json!(0);
+        has_error(v, "models.m.buckets[0].max_context_tokens", "at least 1");
+    }
+
+    #[test]
+    fn worker_ids_are_unique_and_groups_name_known_workers() {
+        let mut v = minimal();
+        v["workers"][1]["id"] = json!("A");
+        has_error(v, "workers[1].id", "duplicate worker id");
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["worker_ids"] = json!(["A", "Z"]);
+        has_error(v, "models.m.buckets[0].groups.plain.worker_ids[1]", "unknown worker `Z`");
+    }
+
+    #[test]
+    fn membership_must_match_the_groups_role() {
+        let mut v = pd();
+        v["models"]["m"]["buckets"][0]["groups"]["pd"]["decode"]["worker_ids"] = json!(["P1"]);
+        has_error(v, "models.m.buckets[0].groups.pd.decode.worker_ids[0]", "role prefill");
+    }
+
+    #[test]
+    fn membership_must_match_the_model() {
+        let mut v = minimal();
+        v["workers"][1]["model"] = json!("other");
+        v["models"]["other"] = v["models"]["m"].clone();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["worker_ids"] = json!(["B"]);
+        has_error(v, "models.m.buckets[0].groups.plain.worker_ids[0]", "serves model `other`");
+    }
+
+    #[test]
+    fn a_model_cannot_mix_plain_and_pd_engines() {
+        let mut v = pd();
+        v["workers"].as_array_mut().unwrap().push(json!({"id": "X", "url": "http://10.0.0.3:1", "model": "m"}));
+        has_error(v, "workers[2].role", "mixes plain and prefill/decode");
+    }
+
+    #[test]
+    fn plain_buckets_for_pd_models_and_the_reverse_are_rejected() {
+        let mut v = pd();
+        v["models"]["m"]["buckets"][0]["groups"] = json!({"plain": {"policy": {"type": "random"}}});
+        has_error(v, "models.m.buckets[0].groups.plain", "need `pd` groups");
+    }
+
+    #[test]
+    fn workers_must_serve_a_configured_model() {
+        let mut v = minimal();
+        v["workers"][0]["model"] = json!("nope");
+        has_error(v, "workers[0].model", "not configured");
+    }
+
+    #[test]
+    fn urls_must_be_http_with_a_host() {
+        let mut v = minimal();
+        v["workers"][0]["url"] = json!("https://x:1");
+        has_error(v, "workers[0].url", "http://");
+    }
+
+    #[test]
+    fn bootstrap_port_only_on_prefill() {
+        let mut v = minimal();
+        v["workers"][0]["bootstrap_port"] = json!(8998);
+        has_error(v, "workers[0].bootstrap_port", "only prefill");
+    }
+
+    #[test]
+    fn cache_aware_is_refused_in_decode_groups() {
+        let mut v = pd();
+        v["models"]["m"]["buckets"][0]["groups"]["pd"]["decode"]["policy"] = json!({"type": "cache_aware"});
+        has_error(v, "models.m.buckets[0].groups.pd.decode.policy.type", "only in plain and prefill");
+    }
+
+    #[test]
+    fn pressure_guard_settings_are_refused_outside_cache_aware() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] =
+            json!({"type": "session_aware", "pressure_guard": {"max_extra_waiting_requests": 4}});
+        let found = errors(v);
+        assert!(found.iter().any(|e| e.message.contains("pressure_guard")), "{found:?}");
+    }
+
+    #[test]
+    fn caps_the_load_source_cannot_supply_are_refused() {
+        let mut v = minimal();
+        v["load"] = json!({"source": "none"});
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_running_requests": 4});
+        has_error(
+            v.clone(),
+            "models.m.buckets[0].groups.plain.policy.admission.max_running_requests",
+            "does not report",
+        );
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] = json!({"max_inflight_requests": 4});
+        assert!(errors(v).is_empty(), "in-flight is router-local and always known");
+
+        let mut v = minimal();
+        v["load"] = json!({"source": "sglang_get_load"});
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"] =
+            json!({"max_pending_prefill_tokens": 4});
+        has_error(v, "models.m.buckets[0].groups.plain.policy.admission.max_pending_prefill_tokens", "does not report");
+    }
+
+    #[test]
+    fn dropped_options_are_refused_by_name() {
+        for (policy, needle) in
+            [("fused_score", "fused"), ("score_policy", "score"), ("legacy_host_affinity", "legacy")]
+        {
+            let mut v = minimal();
+            v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] = json!({"type": policy});
+            has_error(v, "models.m.buckets[0].groups.plain.policy.type", needle);
+        }
+        for key in ["stable_pair", "affinity_mode", "prefix_cache_min_share", "fuse"] {
+            let mut v = minimal();
+            v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"][key] = json!(true);
+            has_error(v, &format!("models.m.buckets[0].groups.plain.policy.{key}"), "not supported");
+        }
+    }
+
+    #[test]
+    fn every_error_is_reported_at_once() {
+        let mut v = minimal();
+        v["workers"][1]["id"] = json!("A");
+        v["health"] = json!({"interval_ms": 0});
+        v["models"]["m"]["buckets"][0]["limits"] = json!({"min": 10, "max": 5});
+        assert!(errors(v).len() >= 3);
+    }
+
+    #[test]
+    fn invalid_json_names_the_document() {
+        let e = parse_and_validate("{not json").unwrap_err();
+        assert_eq!(e.0[0].path, "(document)");
+    }
+
+    #[test]
+    fn the_configuration_round_trips_through_json() {
+        let c = from_value(pd()).unwrap();
+        let again = parse_and_validate(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(c, again);
+    }
+}

@@ -17,14 +17,6 @@ pub enum Limit {
 }
 
 impl Limit {
-    pub const ALL: [Limit; 5] = [
-        Limit::MaxRunningRequests,
-        Limit::MaxWaitingRequests,
-        Limit::MaxKvTokens,
-        Limit::MaxPendingPrefillTokens,
-        Limit::MaxInflightRequests,
-    ];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Limit::MaxRunningRequests => "max_running_requests",
@@ -65,12 +57,9 @@ pub enum Admission {
     Reject(Limit),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("admission check failed: {0}")]
-pub struct AdmissionError(pub String);
-
+/// Acceptance of one engine a policy chose (design §4): `Allow` or `Reject(limit)`.
 pub trait EngineAdmission: Send + Sync + std::fmt::Debug {
-    fn check(&self, engine: &Worker, metrics: &EngineMetrics) -> Result<Admission, AdmissionError>;
+    fn check(&self, engine: &Worker, metrics: &EngineMetrics) -> Admission;
 
     /// Whether any check reads engine-reported metrics (lets callers skip reading the table).
     fn needs_reports(&self) -> bool {
@@ -79,7 +68,7 @@ pub trait EngineAdmission: Send + Sync + std::fmt::Debug {
 }
 
 impl EngineAdmission for AdmissionLimits {
-    fn check(&self, _engine: &Worker, m: &EngineMetrics) -> Result<Admission, AdmissionError> {
+    fn check(&self, _engine: &Worker, m: &EngineMetrics) -> Admission {
         // A cap admits while the metric is below it; an unknown metric is not checked.
         let checks = [
             (Limit::MaxRunningRequests, self.max_running_requests, m.running),
@@ -91,11 +80,11 @@ impl EngineAdmission for AdmissionLimits {
         for (limit, cap, metric) in checks {
             if let (Some(cap), Some(value)) = (cap, metric) {
                 if value >= cap {
-                    return Ok(Admission::Reject(limit));
+                    return Admission::Reject(limit);
                 }
             }
         }
-        Ok(Admission::Allow)
+        Admission::Allow
     }
 
     fn needs_reports(&self) -> bool {
@@ -113,11 +102,66 @@ pub fn admit_or_reject(
     metrics: &EngineMetrics,
 ) -> Result<(), PickError> {
     match admission.check(engine, metrics) {
-        Ok(Admission::Allow) => Ok(()),
-        Ok(Admission::Reject(limit)) => {
-            Err(PickError::AdmissionRejected(Rejection { worker: engine.id.clone(), limit }))
+        Admission::Allow => Ok(()),
+        Admission::Reject(limit) => Err(PickError::AdmissionRejected(Rejection { worker: engine.id.clone(), limit })),
+    }
+}
+
+/// A policy's admission checker with the state it observes. Policies decide where to call it.
+#[derive(Debug, Clone)]
+pub struct AdmissionGate {
+    pub admission: std::sync::Arc<dyn EngineAdmission>,
+    pub load: std::sync::Arc<dyn crate::state::load_monitor::LoadView>,
+    pub inflight: std::sync::Arc<dyn crate::state::load_monitor::InflightTable>,
+}
+
+impl AdmissionGate {
+    /// Checks an engine against the load record already captured for its selection.
+    pub fn check_with(&self, engine: &Worker, load: Option<&EngineLoad>) -> Result<(), PickError> {
+        let metrics = EngineMetrics::from_load(load, self.inflight.inflight(&engine.id));
+        admit_or_reject(self.admission.as_ref(), engine, &metrics)
+    }
+
+    /// Checks `ordered` engines in turn against the captured snapshot; the first admitted is the
+    /// pick. When every one is rejected, the outcome lists each rejection.
+    pub fn first_admitted<'w>(
+        &self,
+        ordered: impl IntoIterator<Item = &'w std::sync::Arc<Worker>>,
+        snapshot: &crate::state::load_monitor::LoadSnapshot,
+        reason: super::PickReason,
+    ) -> Result<super::Pick, PickError> {
+        let mut rejections = Vec::new();
+        for worker in ordered {
+            match self.check_with(worker, snapshot.get(&worker.id)) {
+                Ok(()) => return Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason }),
+                Err(PickError::AdmissionRejected(r)) => rejections.push(r),
+                Err(other) => return Err(other),
+            }
         }
-        Err(e) => Err(PickError::InvalidSignal(e.to_string())),
+        Err(PickError::NoAdmissibleEngine { rejections })
+    }
+
+    /// Takes `engines[index]` and checks it once: the rotation and random policies' whole answer.
+    pub fn checked_pick(
+        &self,
+        engines: &[std::sync::Arc<Worker>],
+        index: usize,
+        reason: super::PickReason,
+    ) -> Result<super::Pick, PickError> {
+        let worker = engines.get(index).ok_or_else(|| PickError::no_candidates("no candidate at the chosen index"))?;
+        self.check(worker)?;
+        Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason })
+    }
+
+    /// Checks an engine chosen without load observations; reads the current report only when a
+    /// cap needs one.
+    pub fn check(&self, engine: &Worker) -> Result<(), PickError> {
+        if self.admission.needs_reports() {
+            let snapshot = self.load.snapshot();
+            self.check_with(engine, snapshot.get(&engine.id))
+        } else {
+            self.check_with(engine, None)
+        }
     }
 }
 
@@ -127,7 +171,7 @@ mod tests {
     use crate::testing::worker;
 
     fn check(limits: AdmissionLimits, m: EngineMetrics) -> Admission {
-        limits.check(&worker("A"), &m).unwrap()
+        limits.check(&worker("A"), &m)
     }
 
     #[test]
@@ -203,63 +247,5 @@ mod tests {
     fn metrics_from_a_missing_report_are_unknown_not_zero() {
         let m = EngineMetrics::from_load(None, 3);
         assert_eq!(m, EngineMetrics { inflight: 3, ..Default::default() });
-    }
-}
-
-/// A policy's admission checker with the state it observes. Policies decide where to call it.
-#[derive(Debug, Clone)]
-pub struct AdmissionGate {
-    pub admission: std::sync::Arc<dyn EngineAdmission>,
-    pub load: std::sync::Arc<dyn crate::state::load_monitor::LoadView>,
-    pub inflight: std::sync::Arc<dyn crate::state::load_monitor::InflightTable>,
-}
-
-impl AdmissionGate {
-    /// Checks an engine against the load record already captured for its selection.
-    pub fn check_with(&self, engine: &Worker, load: Option<&EngineLoad>) -> Result<(), PickError> {
-        let metrics = EngineMetrics::from_load(load, self.inflight.inflight(&engine.id));
-        admit_or_reject(self.admission.as_ref(), engine, &metrics)
-    }
-
-    /// Checks `ordered` engines in turn against the captured snapshot; the first admitted is the
-    /// pick. When every one is rejected, the outcome lists each rejection.
-    pub fn first_admitted<'w>(
-        &self,
-        ordered: impl IntoIterator<Item = &'w std::sync::Arc<Worker>>,
-        snapshot: &crate::state::load_monitor::LoadSnapshot,
-        reason: super::PickReason,
-    ) -> Result<super::Pick, PickError> {
-        let mut rejections = Vec::new();
-        for worker in ordered {
-            match self.check_with(worker, snapshot.get(&worker.id)) {
-                Ok(()) => return Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason }),
-                Err(PickError::AdmissionRejected(r)) => rejections.push(r),
-                Err(other) => return Err(other),
-            }
-        }
-        Err(PickError::NoAdmissibleEngine { rejections })
-    }
-
-    /// Takes `engines[index]` and checks it once: the rotation and random policies' whole answer.
-    pub fn checked_pick(
-        &self,
-        engines: &[std::sync::Arc<Worker>],
-        index: usize,
-        reason: super::PickReason,
-    ) -> Result<super::Pick, PickError> {
-        let worker = engines.get(index).ok_or_else(|| PickError::no_candidates("no candidate at the chosen index"))?;
-        self.check(worker)?;
-        Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason })
-    }
-
-    /// Checks an engine chosen without load observations; reads the current report only when a
-    /// cap needs one.
-    pub fn check(&self, engine: &Worker) -> Result<(), PickError> {
-        if self.admission.needs_reports() {
-            let snapshot = self.load.snapshot();
-            self.check_with(engine, snapshot.get(&engine.id))
-        } else {
-            self.check_with(engine, None)
-        }
     }
 }

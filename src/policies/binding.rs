@@ -5,15 +5,16 @@
 use std::sync::Arc;
 
 use super::admission::AdmissionGate;
-use super::{pick_fallback, Pick, PickError, PickReason, PickRequest, Policy};
+use super::{pick_fallback, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Worker;
 use crate::state::affinity_store::{AffinityStore, BindingKind, Bound, Scope};
 
 /// How many times a concurrent binding may change under us before the attempt gives up.
 const BIND_ATTEMPTS: usize = 4;
 
+/// `session_aware` and `sticky` (constructed in their own files): one policy, keyed differently.
 #[derive(Debug)]
-pub(crate) struct BindingPolicy {
+pub struct BindingPolicy {
     pub kind: BindingKind,
     pub store: Arc<AffinityStore>,
     pub gate: AdmissionGate,
@@ -23,8 +24,18 @@ pub(crate) struct BindingPolicy {
     pub touch_resolution_ms: u64,
 }
 
+impl Policy for BindingPolicy {
+    fn pick<'a>(
+        &'a self,
+        engines: &'a [Arc<Worker>],
+        request: &'a PickRequest<'a>,
+    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+        Box::pin(self.walk(engines, request))
+    }
+}
+
 impl BindingPolicy {
-    pub async fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    async fn walk(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let key = match self.kind {
             BindingKind::Session => request.session_key,
             BindingKind::Sticky => request.routing_key,

@@ -20,9 +20,6 @@ impl LeastLoadPolicy {
     }
 
     fn choose(&self, engines: &[Arc<Worker>]) -> Result<Pick, PickError> {
-        if engines.is_empty() {
-            return Err(PickError::no_candidates("load_based has no candidates"));
-        }
         let snapshot = self.gate.load.snapshot();
         let inflight = &self.gate.inflight;
         let mut ranked: Vec<(u64, u64, &Arc<Worker>)> = engines

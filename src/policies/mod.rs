@@ -3,7 +3,7 @@
 //! ready future; the filter polls a pending one again from its callouts.
 
 pub mod admission;
-mod binding;
+pub mod binding;
 pub mod cache_aware;
 mod least_load;
 mod power_of_two;
@@ -17,7 +17,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
-pub use admission::{Admission, AdmissionError, EngineAdmission, EngineMetrics, Limit};
+pub use admission::{Admission, EngineAdmission, EngineMetrics, Limit};
+pub use binding::BindingPolicy;
 pub use least_load::LeastLoadPolicy;
 pub use power_of_two::PowerOfTwoPolicy;
 use rand_core::{RngCore, SeedableRng};
@@ -119,6 +120,8 @@ pub struct Rejection {
     pub limit: Limit,
 }
 
+/// Why a policy, a group or a bucket could not pick (design §4 "Outcome"). The first three advance
+/// the bucket loop; the last three stop it with a 500.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PickError {
     /// No eligible member, or a policy selection miss.
@@ -130,10 +133,13 @@ pub enum PickError {
     /// The chosen engine failed after-selection admission.
     #[error("{} rejected by {}", .0.worker, .0.limit.as_str())]
     AdmissionRejected(Rejection),
+    /// The request's facts cannot be acted on (e.g. a peak below the input).
     #[error("invalid signal: {0}")]
     InvalidSignal(String),
+    /// The policy's configuration cannot serve this request.
     #[error("invalid configuration: {0}")]
     InvalidConfiguration(String),
+    /// The policy answered with an engine that is not one of its candidates.
     #[error("policy returned `{worker}`, which is not one of its candidates")]
     OutsideCandidates { worker: String },
 }
@@ -142,9 +148,26 @@ impl PickError {
     pub fn no_candidates(reason: impl Into<String>) -> Self {
         PickError::NoCandidates { reason: reason.into() }
     }
+
+    /// The admission rejections this outcome carries (none for other outcomes).
+    pub fn rejections(&self) -> &[Rejection] {
+        match self {
+            PickError::AdmissionRejected(r) => std::slice::from_ref(r),
+            PickError::NoAdmissibleEngine { rejections } => rejections,
+            _ => &[],
+        }
+    }
 }
 
+/// A selection strategy for one role group (design §4). One instance per group, reused across
+/// requests and logical across VMs: whatever state it keeps lives behind its own handles.
 pub trait Policy: Send + Sync + std::fmt::Debug {
+    /// Chooses one engine of `engines` (the group's exact candidates, sorted by id, never empty
+    /// when called by [`crate::buckets::EngineGroup::pick`]) for `request`, and checks admission
+    /// where its algorithm says. Returns the engine and why, or the outcome that tells the bucket
+    /// loop what to do next: `NoCandidates`, `NoAdmissibleEngine` and `AdmissionRejected` advance to
+    /// the next bucket; the others stop routing. The future is ready at once for local policies; a
+    /// policy that awaits a callout is polled again when it answers.
     fn pick<'a>(
         &'a self,
         engines: &'a [Arc<Worker>],

@@ -24,11 +24,7 @@ impl Policy for RandomPolicy {
         engines: &'a [Arc<Worker>],
         _request: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready(if engines.is_empty() {
-            Err(PickError::no_candidates("random has no candidates"))
-        } else {
-            self.gate.checked_pick(engines, self.random.below(engines.len()), PickReason::Random)
-        })
+        ready(self.gate.checked_pick(engines, self.random.below(engines.len()), PickReason::Random))
     }
 }
 

@@ -70,12 +70,8 @@ impl Policy for RoundRobinPolicy {
         engines: &'a [Arc<Worker>],
         _request: &'a PickRequest<'a>,
     ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready(if engines.is_empty() {
-            Err(PickError::no_candidates("round_robin has no candidates"))
-        } else {
-            let index = (self.cursor.next_ticket() % engines.len() as u64) as usize;
-            self.gate.checked_pick(engines, index, PickReason::Rotation)
-        })
+        let index = self.cursor.next_ticket().checked_rem(engines.len() as u64).unwrap_or(0) as usize;
+        ready(self.gate.checked_pick(engines, index, PickReason::Rotation))
     }
 }
 

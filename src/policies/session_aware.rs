@@ -5,39 +5,28 @@ use std::sync::Arc;
 
 use super::admission::AdmissionGate;
 use super::binding::BindingPolicy;
-use super::{BoxFuture, Pick, PickError, PickRequest, Policy, PowerOfTwoPolicy, RandomSource};
+use super::{PowerOfTwoPolicy, RandomSource};
 use crate::config::AdmissionLimits;
-use crate::registry::Worker;
 use crate::state::affinity_store::{AffinityStore, BindingKind};
 
-#[derive(Debug)]
-pub struct SessionAwarePolicy(BindingPolicy);
+/// `session_aware` is the binding walk over session ids, with power-of-two for new sessions.
+pub type SessionAwarePolicy = BindingPolicy;
 
-impl SessionAwarePolicy {
-    pub fn new(
+impl BindingPolicy {
+    pub fn session_aware(
         store: Arc<AffinityStore>,
         gate: AdmissionGate,
         random: Arc<dyn RandomSource>,
         touch_resolution_ms: u64,
     ) -> Self {
         let fallback_gate = AdmissionGate { admission: Arc::new(AdmissionLimits::default()), ..gate.clone() };
-        Self(BindingPolicy {
+        BindingPolicy {
             kind: BindingKind::Session,
             store,
             gate,
             fallback: Box::new(PowerOfTwoPolicy::new(random, fallback_gate)),
             touch_resolution_ms,
-        })
-    }
-}
-
-impl Policy for SessionAwarePolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        Box::pin(self.0.pick(engines, request))
+        }
     }
 }
 
@@ -45,8 +34,11 @@ impl Policy for SessionAwarePolicy {
 mod tests {
     use super::*;
     use crate::host::{Host, MemoryHost};
-    use crate::policies::{Limit, PickReason, Rejection, SeededRandom};
+    use crate::policies::{
+        BoxFuture, Limit, Pick, PickError, PickReason, PickRequest, Policy, Rejection, SeededRandom,
+    };
     use crate::registry::Role;
+    use crate::registry::Worker;
     use crate::state::affinity_store::{Bound, Scope};
     use crate::testing::*;
 
@@ -62,7 +54,7 @@ mod tests {
 
     impl Fixture {
         fn policy(&self, limits: AdmissionLimits) -> SessionAwarePolicy {
-            SessionAwarePolicy::new(
+            SessionAwarePolicy::session_aware(
                 Arc::clone(&self.store),
                 self.state.gate(limits),
                 Arc::new(SeededRandom::new(5)),
@@ -166,13 +158,13 @@ mod tests {
 
     fn racing(f: &Fixture, limits: AdmissionLimits) -> SessionAwarePolicy {
         let fallback = RacingFallback { store: Arc::clone(&f.store), winner: "B" };
-        SessionAwarePolicy(BindingPolicy {
+        BindingPolicy {
             kind: BindingKind::Session,
             store: Arc::clone(&f.store),
             gate: f.state.gate(limits),
             fallback: Box::new(fallback),
             touch_resolution_ms: 1000,
-        })
+        }
     }
 
     #[test]

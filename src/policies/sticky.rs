@@ -4,33 +4,22 @@
 use std::sync::Arc;
 
 use super::binding::BindingPolicy;
-use super::{BoxFuture, Pick, PickError, PickRequest, Policy};
+use super::Policy;
 use crate::policies::admission::AdmissionGate;
-use crate::registry::Worker;
 use crate::state::affinity_store::{AffinityStore, BindingKind};
 
-#[derive(Debug)]
-pub struct StickyPolicy(BindingPolicy);
+/// `sticky` is the binding walk over routing keys.
+pub type StickyPolicy = BindingPolicy;
 
-impl StickyPolicy {
+impl BindingPolicy {
     /// `fallback` is built with default admission; this policy checks what it returns.
-    pub fn new(
+    pub fn sticky(
         store: Arc<AffinityStore>,
         gate: AdmissionGate,
         fallback: Box<dyn Policy>,
         touch_resolution_ms: u64,
     ) -> Self {
-        Self(BindingPolicy { kind: BindingKind::Sticky, store, gate, fallback, touch_resolution_ms })
-    }
-}
-
-impl Policy for StickyPolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        Box::pin(self.0.pick(engines, request))
+        BindingPolicy { kind: BindingKind::Sticky, store, gate, fallback, touch_resolution_ms }
     }
 }
 
@@ -39,13 +28,13 @@ mod tests {
     use super::*;
     use crate::config::AdmissionLimits;
     use crate::host::{Host, MemoryHost};
-    use crate::policies::{MemoryCursor, PickReason, RoundRobinPolicy};
+    use crate::policies::{MemoryCursor, PickReason, PickRequest, RoundRobinPolicy};
     use crate::registry::Role;
     use crate::testing::*;
 
     fn sticky(state: &State, store: &Arc<AffinityStore>, limits: AdmissionLimits) -> StickyPolicy {
         let fallback = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), state.gate(AdmissionLimits::default()));
-        StickyPolicy::new(Arc::clone(store), state.gate(limits), Box::new(fallback), 1000)
+        StickyPolicy::sticky(Arc::clone(store), state.gate(limits), Box::new(fallback), 1000)
     }
 
     fn keyed(key: &'static str) -> PickRequest<'static> {

@@ -183,13 +183,13 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
         PolicyConfig::Random(_) => Arc::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::PowerOfTwo(_) => Arc::new(PowerOfTwoPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::LoadBased(_) => Arc::new(LeastLoadPolicy::new(gate)),
-        PolicyConfig::SessionAware(_) => Arc::new(SessionAwarePolicy::new(
+        PolicyConfig::SessionAware(_) => Arc::new(SessionAwarePolicy::session_aware(
             Arc::clone(&handles.affinity),
             gate,
             Arc::clone(&handles.random),
             touch_resolution(model.session_idle_ms),
         )),
-        PolicyConfig::Sticky(c) => Arc::new(StickyPolicy::new(
+        PolicyConfig::Sticky(c) => Arc::new(StickyPolicy::sticky(
             Arc::clone(&handles.affinity),
             gate,
             fallback_policy(c.fallback, instance, handles),

@@ -3,7 +3,6 @@
 //! emits.
 
 use crate::buckets::BucketPick;
-use crate::policies::{PickError, Rejection};
 use crate::registry::Role;
 use crate::server::routes::chat::{Selection, SelectionFailure};
 use crate::server::ErrorKind;
@@ -23,20 +22,13 @@ pub fn error_outcome(kind: ErrorKind) -> String {
     outcome(kind.type_name())
 }
 
-fn rejections(error: &PickError) -> &[Rejection] {
-    match error {
-        PickError::AdmissionRejected(r) => std::slice::from_ref(r),
-        PickError::NoAdmissibleEngine { rejections } => rejections,
-        _ => &[],
-    }
-}
-
 fn rejection_counters<'a>(
     skipped: impl Iterator<Item = &'a crate::server::routes::chat::bucket_loop::SkippedBucket>,
 ) -> Vec<String> {
     skipped
         .flat_map(|s| {
-            rejections(&s.error)
+            s.error
+                .rejections()
                 .iter()
                 .map(|r| format!("sgl_router_admission_rejections_total.limit.{}", r.limit.as_str()))
         })

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use super::keys;
 use super::shared::update;
 use crate::host::{Host, HostError};
 use crate::registry::Role;
@@ -106,10 +107,6 @@ impl Shard {
     }
 }
 
-fn shard_key(shard: u64) -> String {
-    format!("sgl.affinity.{shard}")
-}
-
 /// The outcome of trying to bind a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Bound {
@@ -130,7 +127,7 @@ impl AffinityStore {
     }
 
     fn read(&self, shard: u64) -> Shard {
-        match self.host.shared_get(&shard_key(shard)) {
+        match self.host.shared_get(&keys::affinity_shard(shard)) {
             Ok(Some(v)) => Shard::decode(&v.bytes),
             _ => Shard::default(),
         }
@@ -138,7 +135,7 @@ impl AffinityStore {
 
     fn change<R>(&self, shard: u64, f: impl FnMut(&mut Shard) -> R) -> Result<R, HostError> {
         let mut f = f;
-        update(self.host.as_ref(), &shard_key(shard), &Shard::default().encode(), |bytes| {
+        update(self.host.as_ref(), &keys::affinity_shard(shard), &Shard::default().encode(), |bytes| {
             let mut s = Shard::decode(bytes);
             let r = f(&mut s);
             s.cap();

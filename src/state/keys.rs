@@ -29,3 +29,19 @@ pub fn version_of(table: &str) -> String {
 
 /// The queue filters send prefix events to; only the service registers it.
 pub const PREFIX_QUEUE: &str = "sgl.prefix.events";
+
+/// One of the affinity store's fixed shards of session and routing-key bindings.
+pub fn affinity_shard(shard: u64) -> String {
+    format!("sgl.affinity.{shard}")
+}
+
+/// The prefix log's next batch number.
+pub const PREFIX_HEAD: &str = "sgl.prefix.head";
+
+/// The prefix trees as of a recent batch, for replicas that fell behind the ring.
+pub const PREFIX_SNAPSHOT: &str = "sgl.prefix.snapshot";
+
+/// One slot of the prefix log's fixed ring of batches.
+pub fn prefix_log_slot(slot: u64) -> String {
+    format!("sgl.prefix.log.{slot}")
+}

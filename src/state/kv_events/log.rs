@@ -9,17 +9,15 @@ use serde::{Deserialize, Serialize};
 use super::events::{apply, PrefixEvent};
 use super::radix::RadixTree;
 use crate::host::{Host, HostError};
+use crate::state::keys::{self, PREFIX_HEAD as HEAD, PREFIX_SNAPSHOT as SNAPSHOT};
 use crate::state::shared::read_u64;
 
 /// Batches the ring holds; a snapshot is written every quarter ring.
 pub const LOG_SLOTS: u64 = 256;
 const SNAPSHOT_EVERY: u64 = LOG_SLOTS / 4;
 
-const HEAD: &str = "sgl.prefix.head";
-const SNAPSHOT: &str = "sgl.prefix.snapshot";
-
 fn slot_key(batch: u64) -> String {
-    format!("sgl.prefix.log.{}", batch % LOG_SLOTS)
+    keys::prefix_log_slot(batch % LOG_SLOTS)
 }
 
 #[derive(Debug, Serialize, Deserialize)]

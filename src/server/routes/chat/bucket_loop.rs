@@ -56,7 +56,7 @@ impl SelectionFailure {
             ),
             SelectionFailure::Exhausted(skipped) => {
                 let rejections: Vec<String> =
-                    skipped.iter().flat_map(|s| rejections_of(&s.error).iter().map(move |r| describe(s, r))).collect();
+                    skipped.iter().flat_map(|s| s.error.rejections().iter().map(move |r| describe(s, r))).collect();
                 if rejections.is_empty() {
                     let last = skipped.last();
                     let detail = last
@@ -82,14 +82,6 @@ impl SelectionFailure {
                 RouteError::new(kind, format!("bucket `{}`, stage {}: {}", s.bucket_id, s.stage.as_str(), s.error))
             }
         }
-    }
-}
-
-fn rejections_of(error: &PickError) -> &[Rejection] {
-    match error {
-        PickError::AdmissionRejected(r) => std::slice::from_ref(r),
-        PickError::NoAdmissibleEngine { rejections } => rejections,
-        _ => &[],
     }
 }
 
@@ -137,5 +129,323 @@ pub fn select(
 }
 
 #[cfg(test)]
-#[path = "bucket_loop_tests.rs"]
-mod tests;
+mod tests {
+    use std::sync::Arc;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::buckets::{Bucket, BucketGroups, EngineGroup};
+    use crate::policies::{Limit, PickError, Rejection};
+    use crate::registry::Worker;
+    use crate::server::ErrorKind;
+    use crate::testing::{now, worker_with, Scripted};
+
+    fn plain_bucket(id: &str, capacity: u64, policy: Arc<Scripted>) -> Bucket {
+        Bucket {
+            id: id.to_string(),
+            rank: 0,
+            min_input: 0,
+            max_input: Some(capacity),
+            max_context: None,
+            groups: BucketGroups::Plain(EngineGroup::new(Role::Plain, policy)),
+        }
+    }
+
+    fn pd_bucket(id: &str, capacity: u64, prefill: (&str, Arc<Scripted>), decode: (&str, Arc<Scripted>)) -> Bucket {
+        Bucket {
+            id: id.to_string(),
+            rank: 0,
+            min_input: 0,
+            max_input: Some(capacity),
+            max_context: None,
+            groups: BucketGroups::Pd {
+                prefill: EngineGroup::with_members(Role::Prefill, [prefill.0.to_string()], prefill.1),
+                decode: EngineGroup::with_members(Role::Decode, [decode.0.to_string()], decode.1),
+            },
+        }
+    }
+
+    fn live(workers: Vec<Arc<Worker>>) -> LiveWorkers {
+        let mut workers = workers;
+        workers.sort_by(|a, b| a.id.cmp(&b.id));
+        LiveWorkers::new(workers.into(), Arc::default())
+    }
+
+    fn plain_live() -> LiveWorkers {
+        live(vec![worker_with("A", Role::Plain, "m")])
+    }
+
+    fn request(input: u64, peak: Option<u64>) -> BucketRequest {
+        BucketRequest { model: "m".into(), input_tokens: input, expected_peak_tokens: peak, ..BucketRequest::default() }
+    }
+
+    fn run(buckets: Vec<Bucket>, live: LiveWorkers, req: BucketRequest) -> Result<Selection, SelectionFailure> {
+        now(select(Arc::new(BucketResolver::new(buckets)), live, req))
+    }
+
+    fn rejected(worker: &str, limit: Limit) -> PickError {
+        PickError::AdmissionRejected(Rejection { worker: worker.into(), limit })
+    }
+
+    #[test]
+    fn the_first_bucket_that_supplies_a_selection_wins() {
+        let s = run(
+            vec![plain_bucket("small", 100, Scripted::first()), plain_bucket("big", 1000, Scripted::first())],
+            plain_live(),
+            request(10, None),
+        )
+        .unwrap();
+        assert_eq!(s.bucket_id, "small");
+        assert!(s.skipped.is_empty());
+    }
+
+    #[test]
+    fn no_candidates_advances_to_the_next_bucket() {
+        let s = run(
+            vec![
+                plain_bucket("small", 100, Scripted::failing(PickError::no_candidates("x"))),
+                plain_bucket("big", 1000, Scripted::first()),
+            ],
+            plain_live(),
+            request(10, None),
+        )
+        .unwrap();
+        assert_eq!(s.bucket_id, "big");
+        assert_eq!(s.skipped.len(), 1);
+    }
+
+    #[test]
+    fn admission_rejected_and_no_admissible_engine_both_advance() {
+        for error in [rejected("A", Limit::MaxRunningRequests), PickError::NoAdmissibleEngine { rejections: vec![] }] {
+            let s = run(
+                vec![
+                    plain_bucket("small", 100, Scripted::failing(error)),
+                    plain_bucket("big", 1000, Scripted::first()),
+                ],
+                plain_live(),
+                request(10, None),
+            )
+            .unwrap();
+            assert_eq!(s.bucket_id, "big");
+        }
+    }
+
+    #[test]
+    fn invalid_signal_configuration_and_foreign_picks_stop_the_pass() {
+        for (error, kind) in [
+            (PickError::InvalidSignal("bad".into()), ErrorKind::InvalidSignal),
+            (PickError::InvalidConfiguration("bad".into()), ErrorKind::InvalidConfiguration),
+            (PickError::OutsideCandidates { worker: "Z".into() }, ErrorKind::OutsideCandidates),
+        ] {
+            let later = Scripted::first();
+            let failure = run(
+                vec![plain_bucket("small", 100, Scripted::failing(error)), plain_bucket("big", 1000, later.clone())],
+                plain_live(),
+                request(10, None),
+            )
+            .unwrap_err();
+            assert!(matches!(failure, SelectionFailure::Stopped(_)));
+            assert_eq!(failure.to_route_error().kind, kind);
+            assert_eq!(failure.to_route_error().status(), 500);
+            assert!(later.offered.lock().unwrap().is_empty(), "no later bucket is tried");
+        }
+    }
+
+    #[test]
+    fn exhaustion_with_rejections_is_a_503_listing_every_rejection() {
+        let failure = run(
+            vec![
+                plain_bucket("small", 100, Scripted::failing(rejected("A", Limit::MaxRunningRequests))),
+                plain_bucket("mid", 500, Scripted::failing(PickError::no_candidates("none"))),
+                plain_bucket(
+                    "big",
+                    1000,
+                    Scripted::failing(PickError::NoAdmissibleEngine {
+                        rejections: vec![
+                            Rejection { worker: "A".into(), limit: Limit::MaxKvTokens },
+                            Rejection { worker: "B".into(), limit: Limit::MaxInflightRequests },
+                        ],
+                    }),
+                ),
+            ],
+            plain_live(),
+            request(10, None),
+        )
+        .unwrap_err();
+        let e = failure.to_route_error();
+        assert_eq!((e.status(), e.kind), (503, ErrorKind::AdmissionRejected));
+        for item in
+            ["small/plain/A: max_running_requests", "big/plain/A: max_kv_tokens", "big/plain/B: max_inflight_requests"]
+        {
+            assert!(e.message.contains(item), "{item} missing from: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn exhaustion_without_rejections_is_a_503_naming_the_last_unavailable_stage() {
+        let failure = run(
+            vec![pd_bucket(
+                "only",
+                100,
+                ("P1", Scripted::first()),
+                ("D1", Scripted::failing(PickError::no_candidates("no decode"))),
+            )],
+            live(vec![worker_with("P1", Role::Prefill, "m"), worker_with("D1", Role::Decode, "m")]),
+            request(10, None),
+        )
+        .unwrap_err();
+        let e = failure.to_route_error();
+        assert_eq!((e.status(), e.kind), (503, ErrorKind::NoCandidates));
+        assert!(e.message.contains("bucket `only`, stage decode"), "{}", e.message);
+    }
+
+    #[test]
+    fn no_compatible_bucket_is_a_400_no_matching_bucket() {
+        let failure =
+            run(vec![plain_bucket("small", 100, Scripted::first())], plain_live(), request(500, None)).unwrap_err();
+        let e = failure.to_route_error();
+        assert_eq!((e.status(), e.kind), (400, ErrorKind::NoMatchingBucket));
+    }
+
+    #[test]
+    fn a_peak_below_the_input_reaching_the_resolver_is_a_500_invalid_signal() {
+        let failure =
+            run(vec![plain_bucket("small", 100, Scripted::first())], plain_live(), request(50, Some(10))).unwrap_err();
+        let e = failure.to_route_error();
+        assert_eq!((e.status(), e.kind), (500, ErrorKind::InvalidSignal));
+    }
+
+    #[test]
+    fn a_pd_selection_takes_both_engines_from_one_bucket() {
+        let s = run(
+            vec![
+                pd_bucket(
+                    "short",
+                    100,
+                    ("P1", Scripted::first()),
+                    ("D1", Scripted::failing(rejected("D1", Limit::MaxKvTokens))),
+                ),
+                pd_bucket("long", 1000, ("P2", Scripted::first()), ("D2", Scripted::first())),
+            ],
+            live(
+                ["P1", "P2"]
+                    .iter()
+                    .map(|id| worker_with(id, Role::Prefill, "m"))
+                    .chain(["D1", "D2"].iter().map(|id| worker_with(id, Role::Decode, "m")))
+                    .collect(),
+            ),
+            request(10, None),
+        )
+        .unwrap();
+        let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
+        assert_eq!((s.bucket_id.as_str(), prefill.worker.id.as_str(), decode.worker.id.as_str()), ("long", "P2", "D2"));
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    enum Outcome {
+        Ok,
+        Missing,
+        Rejected,
+    }
+
+    fn outcome() -> impl Strategy<Value = Outcome> {
+        prop_oneof![Just(Outcome::Ok), Just(Outcome::Missing), Just(Outcome::Rejected)]
+    }
+
+    fn scripted(outcome: Outcome, worker: &str) -> Arc<Scripted> {
+        match outcome {
+            Outcome::Ok => Scripted::first(),
+            Outcome::Missing => Scripted::failing(PickError::no_candidates("none")),
+            Outcome::Rejected => Scripted::failing(rejected(worker, Limit::MaxRunningRequests)),
+        }
+    }
+
+    proptest! {
+        /// Design §3 rule 5: a failed PD attempt never contributes an engine to a later pair.
+        #[test]
+        fn a_failed_pd_attempt_never_contributes_an_engine_to_a_later_pair(outcomes in proptest::collection::vec((outcome(), outcome()), 1..8)) {
+            let mut workers = Vec::new();
+            let mut buckets = Vec::new();
+            for (i, (p, d)) in outcomes.iter().enumerate() {
+                let (pid, did) = (format!("P{i}"), format!("D{i}"));
+                workers.push(worker_with(&pid, Role::Prefill, "m"));
+                workers.push(worker_with(&did, Role::Decode, "m"));
+                buckets.push(pd_bucket(&format!("b{i}"), 100 + i as u64, (&pid, scripted(*p, &pid)), (&did, scripted(*d, &did))));
+            }
+            let winner = outcomes.iter().position(|(p, d)| matches!((p, d), (Outcome::Ok, Outcome::Ok)));
+            match (run(buckets, live(workers), request(10, None)), winner) {
+                (Ok(s), Some(k)) => {
+                    let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
+                    prop_assert_eq!(s.bucket_id, format!("b{k}"));
+                    prop_assert_eq!(prefill.worker.id.clone(), format!("P{k}"));
+                    prop_assert_eq!(decode.worker.id.clone(), format!("D{k}"));
+                    prop_assert_eq!(s.skipped.len(), k);
+                }
+                (Err(SelectionFailure::Exhausted(skipped)), None) => prop_assert_eq!(skipped.len(), outcomes.len()),
+                (other, w) => prop_assert!(false, "unexpected {:?} for winner {:?}", other, w),
+            }
+        }
+    }
+
+    /// A policy that asks a remote service which engine to use.
+    #[derive(Debug)]
+    struct AskRemote(Arc<crate::host::MemoryCallouts>);
+
+    impl crate::policies::Policy for AskRemote {
+        fn pick<'a>(
+            &'a self,
+            engines: &'a [Arc<Worker>],
+            _: &'a crate::policies::PickRequest<'a>,
+        ) -> BoxFuture<'a, Result<crate::policies::Pick, PickError>> {
+            use crate::host::Callouts;
+            Box::pin(async move {
+                let request = crate::host::CalloutRequest {
+                    cluster: "indexer".into(),
+                    method: "GET".into(),
+                    path: "/which".into(),
+                    authority: "indexer".into(),
+                    headers: vec![],
+                    body: None,
+                    timeout_ms: 100,
+                };
+                let answer = self.0.dispatch(request).map_err(|e| PickError::InvalidSignal(e.to_string()))?.await;
+                let id = String::from_utf8_lossy(&answer.body).to_string();
+                engines
+                    .iter()
+                    .find(|w| w.id == id)
+                    .map(|w| crate::policies::Pick {
+                        worker: Arc::clone(w),
+                        reason: crate::policies::PickReason::Rotation,
+                    })
+                    .ok_or_else(|| PickError::no_candidates("remote named no candidate"))
+            })
+        }
+    }
+
+    #[test]
+    fn a_selection_waits_for_a_policys_callout_and_finishes_when_it_answers() {
+        use crate::host::{CalloutResponse, Callouts};
+        let callouts = Arc::new(crate::host::MemoryCallouts::default());
+        let bucket = Bucket {
+            id: "b".into(),
+            rank: 0,
+            min_input: 0,
+            max_input: None,
+            max_context: None,
+            groups: BucketGroups::Plain(EngineGroup::new(Role::Plain, Arc::new(AskRemote(Arc::clone(&callouts))))),
+        };
+        let live = live(vec![worker_with("A", Role::Plain, "m"), worker_with("B", Role::Plain, "m")]);
+        let mut future = select(Arc::new(BucketResolver::new(vec![bucket])), live, request(10, None));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(future.as_mut().poll(&mut cx).is_pending(), "waiting on the callout");
+        assert_eq!(callouts.sent.lock().unwrap().len(), 1, "exactly one callout");
+        assert!(future.as_mut().poll(&mut cx).is_pending(), "still waiting; no second callout");
+        assert_eq!(callouts.sent.lock().unwrap().len(), 1);
+        callouts.board().complete(1, CalloutResponse { status: Some(200), body: b"B".to_vec() });
+        match future.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(Ok(Selection { pick: BucketPick::Plain(p), .. })) => assert_eq!(p.worker.id, "B"),
+            other => panic!("expected a selection, got {other:?}"),
+        }
+    }
+}
