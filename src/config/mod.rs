@@ -3,10 +3,12 @@
 //! [`parse_and_validate`]; what the configuration builds is built by `server::factory`.
 
 mod dropped;
+mod structure;
 mod types;
 mod validate;
 
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 pub use types::*;
 
 /// One problem in a configuration, always tied to the field it is about.
@@ -39,18 +41,23 @@ pub fn parse_and_validate(json: &str) -> Result<RouterConfig, ConfigErrors> {
     from_value(value)
 }
 
-/// Validates an already-parsed document (the CLI reads YAML into a JSON value first).
-pub fn from_value(value: serde_json::Value) -> Result<RouterConfig, ConfigErrors> {
-    let refused = dropped::find_dropped_options(&value);
-    if !refused.is_empty() {
-        return Err(ConfigErrors(refused));
+/// Validates an already-parsed document (the CLI reads YAML into a JSON value first). Every error
+/// is reported at once: dropped options, each structural error serde finds (the document is
+/// repaired around each one and read again), and every semantic check.
+pub fn from_value(value: Value) -> Result<RouterConfig, ConfigErrors> {
+    let mut errors = dropped::find_dropped_options(&value);
+    let mut value = value;
+    // The dropped options were reported by name; read the rest as if they were not there.
+    for e in &errors {
+        structure::neutralize_dropped(&mut value, &e.path);
     }
-    let config: RouterConfig = deserialize_with_path(value).map_err(|e| ConfigErrors(vec![e]))?;
-    let errors = validate::validate(&config);
-    if errors.is_empty() {
-        Ok(config)
-    } else {
-        Err(ConfigErrors(errors))
+    let parsed = structure::read_all(value, &mut errors);
+    if let Some(config) = &parsed {
+        errors.extend(validate::validate(config));
+    }
+    match parsed {
+        Some(config) if errors.is_empty() => Ok(config),
+        _ => Err(ConfigErrors(errors)),
     }
 }
 
@@ -341,5 +348,65 @@ mod tests {
         let c = from_value(pd()).unwrap();
         let again = parse_and_validate(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(c, again);
+    }
+
+    #[test]
+    fn every_error_is_reported_at_once_structural_dropped_and_semantic() {
+        let mut v = minimal();
+        v["workers"][0]["bogus"] = json!(1);
+        v["workers"][1]["dp_size"] = json!("two");
+        v["load"] = json!({"interval_ms": 0});
+        v["stable_pair"] = json!(true);
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] =
+            json!({"type": "cache_aware", "min_hit_tokens": "lots", "surprise": 1});
+        v["models"]["m"]["buckets"][0]["limitz"] = json!({});
+        let errors = from_value(v).unwrap_err().0;
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        for expected in [
+            "stable_pair",
+            "workers[0].bogus",
+            "workers[1].dp_size",
+            "models.m.buckets[0].groups.plain.policy.min_hit_tokens",
+            "models.m.buckets[0].groups.plain.policy.surprise",
+            "models.m.buckets[0].limitz",
+            "load.interval_ms",
+        ] {
+            assert!(paths.contains(&expected), "{expected} missing from {paths:?}");
+        }
+    }
+
+    #[test]
+    fn a_dropped_policy_is_refused_by_name_and_the_rest_is_still_read() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] = json!({"type": "fused_score"});
+        v["workers"][0]["url"] = json!("ftp://x");
+        let errors = from_value(v).unwrap_err().0;
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["models.m.buckets[0].groups.plain.policy.type", "workers[0].url"], "{errors:?}");
+    }
+
+    #[test]
+    fn a_missing_required_field_ends_the_structural_pass_with_what_was_found() {
+        let mut v = minimal();
+        v["workers"][0]["nope"] = json!(1);
+        v["workers"][1].as_object_mut().unwrap().remove("id");
+        let errors = from_value(v).unwrap_err().0;
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["workers[0].nope", "workers[1]"], "{errors:?}");
+    }
+
+    #[test]
+    fn incompatible_cache_aware_knobs_are_refused_by_path() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] = json!({
+            "type": "cache_aware", "min_candidates": 4, "max_candidates": 2, "saturation_floor": 0.5,
+            "pressure_guard": {}
+        });
+        let errors = from_value(v).unwrap_err().0;
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        let policy = "models.m.buckets[0].groups.plain.policy";
+        for field in ["min_candidates", "saturation_floor", "pressure_guard"] {
+            assert!(paths.contains(&format!("{policy}.{field}").as_str()), "{field}: {paths:?}");
+        }
     }
 }

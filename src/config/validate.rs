@@ -237,6 +237,28 @@ impl GroupCheck<'_, '_> {
             if c.max_candidates == Some(0) {
                 self.errors.push(ConfigError::new(format!("{path}.max_candidates"), "must be at least 1"));
             }
+            if let Some(max) = c.max_candidates {
+                if c.min_candidates > max {
+                    self.errors.push(ConfigError::new(
+                        format!("{path}.min_candidates"),
+                        format!("min_candidates ({}) is above max_candidates ({max})", c.min_candidates),
+                    ));
+                }
+            }
+            if c.saturation_floor.is_some() && c.worker_queue_limit.is_none() {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.saturation_floor"),
+                    "applies only when holders are past the soft queue gate: set worker_queue_limit too",
+                ));
+            }
+            if let Some(guard) = &c.pressure_guard {
+                if guard.max_extra_waiting_requests.is_none() && guard.max_extra_running_requests.is_none() {
+                    self.errors.push(ConfigError::new(
+                        format!("{path}.pressure_guard"),
+                        "an empty pressure guard checks nothing: set max_extra_waiting_requests or max_extra_running_requests",
+                    ));
+                }
+            }
             if c.min_load_choices == 0 {
                 self.errors.push(ConfigError::new(format!("{path}.min_load_choices"), "must be at least 1"));
             }

@@ -145,11 +145,15 @@ impl CacheAwarePolicy {
     }
 
     /// Steps 2 and 3: holders past the gates, longest match first, bounded in number.
+    /// `compared` is how many of the input's tokens the index could match against (the prompt text
+    /// the router keeps is bounded): the ratio gate measures a match against that, so a fully
+    /// cached long prompt is not a miss.
     fn usable_holders(
         &self,
         engines: &[Arc<Worker>],
         matches: &[PrefixMatch],
         input: u64,
+        compared: u64,
         snapshot: &LoadSnapshot,
     ) -> Vec<Holder> {
         let mut holders: Vec<Holder> = matches
@@ -157,8 +161,10 @@ impl CacheAwarePolicy {
             .filter_map(|m| {
                 let worker = engines.iter().find(|w| w.id == m.worker)?;
                 let matched_tokens = (m.matched_bytes / self.bytes_per_token).min(input);
-                let ratio_ok =
-                    self.config.min_hit_ratio.is_none_or(|r| input > 0 && matched_tokens as f64 / input as f64 >= r);
+                let ratio_ok = self
+                    .config
+                    .min_hit_ratio
+                    .is_none_or(|r| compared > 0 && matched_tokens as f64 / compared as f64 >= r);
                 (matched_tokens >= self.config.min_hit_tokens && matched_tokens > 0 && ratio_ok)
                     .then(|| Holder { worker: Arc::clone(worker), matched_tokens })
             })
@@ -249,7 +255,10 @@ impl CacheAwarePolicy {
             CacheLookup::Matches(m) => m,
             CacheLookup::Unavailable(_) => return self.load_fallback(engines, &snapshot, PickReason::CacheUnavailable),
         };
-        let holders = self.usable_holders(engines, matches, request.input_tokens, &snapshot);
+        let input = request.input_tokens;
+        let compared =
+            request.prompt_text.map_or(input, |t| (t.len() as u64).div_ceil(self.bytes_per_token.max(1))).min(input);
+        let holders = self.usable_holders(engines, matches, input, compared, &snapshot);
         if holders.is_empty() {
             return self.load_fallback(engines, &snapshot, PickReason::CacheMiss);
         }
@@ -343,8 +352,10 @@ mod tests {
         c
     }
 
+    /// A prompt whose text is as long as its tokens say (4 bytes a token).
     fn prompt(input_tokens: u64) -> PickRequest<'static> {
-        PickRequest { input_tokens, prompt_text: Some("the prompt"), ..request(Role::Plain) }
+        let text: &'static str = Box::leak("p".repeat(input_tokens as usize * 4).into_boxed_str());
+        PickRequest { input_tokens, prompt_text: Some(text), ..request(Role::Plain) }
     }
 
     fn pick(p: &CacheAwarePolicy, ids: &[&str], input: u64) -> Result<Pick, PickError> {
@@ -381,6 +392,23 @@ mod tests {
         );
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().reason, PickReason::CacheMiss, "30 % < 50 %");
         assert_eq!(pick(&p, &["A", "B"], 500).unwrap().worker.id, "B", "60 % passes");
+    }
+
+    #[test]
+    fn a_fully_cached_prompt_longer_than_the_compared_text_passes_the_ratio_gate() {
+        // 200 kB of prompt; the router keeps the first 64 KiB of text (16,384 tokens) and the
+        // index matched all of it.
+        let s = State::new();
+        let p = policy(
+            &s,
+            Fixed::matches(&[("B", 16_384)]),
+            tuned(|c| c.min_hit_ratio = Some(0.5)),
+            AdmissionLimits::default(),
+        );
+        let text: &'static str = Box::leak("p".repeat(64 * 1024).into_boxed_str());
+        let r = PickRequest { input_tokens: 50_000, prompt_text: Some(text), ..request(Role::Plain) };
+        let pick = now(p.pick(&workers(&["A", "B"]), &r)).unwrap();
+        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::CacheHit));
     }
 
     #[test]

@@ -13,22 +13,19 @@ use std::time::Instant;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use super::host::{clear_route_cache, dispatch, ProxyHost};
+use super::host::{clear_route_cache, dispatch};
 use super::stats::Stats;
-use crate::host::{CalloutResponse, Host};
+use crate::host::CalloutResponse;
 use crate::server::metrics;
-use crate::server::routes::chat::pd::{Flow, PdExchange, PrefillDone};
-use crate::server::routes::chat::{body_step, BodyStep, PendingChat};
+use crate::server::routes::chat::pd::{forwarded_headers, Flow, PrefillDone};
+use crate::server::routes::chat::{body_step, BodyStep, ChatExchange, Effects, PendingChat};
 use crate::server::routes::models::list_models;
-use crate::server::routes::{route, Route};
-use crate::server::upstream::UpstreamAnswer;
-use crate::server::{AppContext, Decision, RouteError};
-use crate::state::keys;
+use crate::server::routes::{method_not_allowed, route, Route};
+use crate::server::{AppContext, Decision, ErrorKind, RouteError};
 use crate::state::load_monitor::InflightGuard;
 
 struct PrefillCall {
     token: u32,
-    exchange: PdExchange,
     /// Released when the callout returns.
     inflight: Option<InflightGuard>,
 }
@@ -45,7 +42,7 @@ pub struct Filter {
     pending: Option<(PendingChat, Instant)>,
     /// Callouts the pending selection waits on; empty means nothing can wake it.
     awaiting: Vec<u32>,
-    decision: Option<Decision>,
+    exchange: Option<ChatExchange>,
     prefill: Option<PrefillCall>,
     /// The decode or plain engine's slot, held for the life of the stream; dropped in `on_log`.
     inflight: Option<InflightGuard>,
@@ -72,7 +69,7 @@ impl Filter {
             keys: HashMap::new(),
             pending: None,
             awaiting: Vec::new(),
-            decision: None,
+            exchange: None,
             prefill: None,
             inflight: None,
             local_reply: false,
@@ -80,8 +77,18 @@ impl Filter {
     }
 
     fn reply(&mut self, status: u16, body: &[u8]) {
+        self.reply_with(status, body, vec![]);
+    }
+
+    fn reply_with(&mut self, status: u16, body: &[u8], mut headers: Vec<(&str, &str)>) {
         self.local_reply = true;
-        self.send_http_response(u32::from(status), vec![("content-type", "application/json")], Some(body));
+        headers.push(("content-type", "application/json"));
+        self.send_http_response(u32::from(status), headers, Some(body));
+    }
+
+    fn carry_out(&self, effects: Effects) {
+        let counters = self.app.borrow().carry_out(effects);
+        self.stats.count_all(&counters);
     }
 
     /// An error the selection did not already count.
@@ -126,53 +133,51 @@ impl Filter {
         self.set_http_request_header(name, Some(value));
         clear_route_cache();
         let inflight = Arc::clone(&self.app.borrow().handles().inflight);
-        if let Some(pd) = &decision.pd {
+        let mut exchange = ChatExchange::new(decision);
+        let prefill = exchange.decision().pd.as_ref().map(|pd| {
             self.set_http_request_body(0, self.body_size, &pd.body);
-            match dispatch(&pd.prefill_request()) {
+            let routing = self.app.borrow().headers().stripped().to_vec();
+            (Arc::clone(&pd.prefill), pd.prefill_request(forwarded_headers(self.get_http_request_headers(), &routing)))
+        });
+        if let Some((worker, request)) = prefill {
+            match dispatch(&request) {
                 Ok(token) => {
-                    self.app.borrow().on_dispatch(&pd.prefill.id);
+                    self.app.borrow().on_dispatch(&worker.id);
+                    exchange.dispatched(&worker.id);
                     self.prefill = Some(PrefillCall {
                         token,
-                        exchange: PdExchange::new(Arc::clone(&pd.prefill)),
-                        inflight: Some(InflightGuard::acquire(Arc::clone(&inflight), &pd.prefill.id)),
+                        inflight: Some(InflightGuard::acquire(Arc::clone(&inflight), &worker.id)),
                     });
                 }
                 Err(e) => {
                     return self.fail(&RouteError::new(
-                        crate::server::ErrorKind::PrefillFailed,
-                        format!("the prefill request to {} could not be sent: {e}", pd.prefill.id),
+                        ErrorKind::PrefillFailed,
+                        format!("the prefill request to {} could not be sent: {e}", worker.id),
                     ));
                 }
             }
         }
-        let upstream = decision.target.upstream();
+        let upstream = Arc::clone(exchange.decision().target.upstream());
         self.app.borrow().on_dispatch(&upstream.id);
+        exchange.dispatched(&upstream.id);
         self.inflight = Some(InflightGuard::acquire(inflight, &upstream.id));
-        if let Some(event) = &decision.prefix_event {
-            let sent = serde_json::to_vec(event)
-                .map_err(|e| e.to_string())
-                .and_then(|bytes| ProxyHost.enqueue(keys::PREFIX_QUEUE, &bytes).map_err(|e| e.to_string()));
-            if let Err(e) = sent {
-                log::warn!("prefix event not sent to the service: {e}");
-            }
-        }
-        self.decision = Some(decision);
+        self.exchange = Some(exchange);
         Action::Continue
     }
 
     fn on_prefill_done(&mut self, status: Option<u16>) {
-        let Some(prefill) = self.prefill.as_mut() else {
+        if let Some(prefill) = self.prefill.as_mut() {
+            prefill.inflight = None;
+        }
+        let Some(exchange) = self.exchange.as_mut() else {
             return;
         };
-        prefill.inflight = None;
-        let worker = Arc::clone(prefill.exchange.prefill());
-        let done = prefill.exchange.on_prefill_done(status);
-        self.app.borrow().on_dispatch_result(&worker.id, UpstreamAnswer::from_status(status));
+        let (done, effects) = exchange.on_prefill_done(status);
+        self.carry_out(effects);
         match done {
             PrefillDone::Resume => self.resume_http_response(),
-            PrefillDone::Fail(error) => {
-                self.fail(&error);
-            }
+            // Its outcome was counted by the exchange.
+            PrefillDone::Fail(error) => self.reply(error.status(), &error.body()),
             PrefillDone::Nothing => {}
         }
     }
@@ -226,6 +231,12 @@ impl HttpContext for Filter {
                 }
                 Action::Pause
             }
+            Route::MethodNotAllowed { allow } => {
+                let error = method_not_allowed(&method, &path, allow);
+                self.stats.count(&metrics::error_outcome(error.kind));
+                self.reply_with(error.status(), &error.body(), vec![("allow", allow)]);
+                Action::Pause
+            }
             Route::PassThrough => {
                 // A route chosen before the headers were stripped must not survive them.
                 clear_route_cache();
@@ -235,7 +246,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.is_chat || self.decision.is_some() {
+        if !self.is_chat || self.exchange.is_some() {
             return Action::Continue;
         }
         if self.local_reply || self.pending.is_some() {
@@ -264,30 +275,34 @@ impl HttpContext for Filter {
         if self.local_reply {
             return Action::Continue;
         }
-        let Some(decision) = &self.decision else {
+        let Some(exchange) = self.exchange.as_ref() else {
             return Action::Continue;
         };
-        let upstream = Arc::clone(decision.target.upstream());
-        for (name, value) in decision.response_headers(self.vm_header.as_deref()) {
+        for (name, value) in exchange.decision().response_headers(self.vm_header.as_deref()) {
             self.set_http_response_header(name, Some(&value));
         }
         let status = self.get_http_response_header(":status").and_then(|s| s.parse().ok());
-        self.app.borrow().on_dispatch_result(&upstream.id, UpstreamAnswer::from_status(status));
-        match self.prefill.as_mut() {
-            Some(prefill) => to_flow(prefill.exchange.on_decode_headers(status)),
-            None => Action::Continue,
-        }
+        let Some(exchange) = self.exchange.as_mut() else {
+            return Action::Continue;
+        };
+        let (flow, effects) = exchange.on_upstream_headers(status);
+        self.carry_out(effects);
+        to_flow(flow)
     }
 
     fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        match &self.prefill {
-            Some(prefill) => to_flow(prefill.exchange.on_decode_body()),
+        match &self.exchange {
+            Some(exchange) => to_flow(exchange.on_upstream_body()),
             None => Action::Continue,
         }
     }
 
     fn on_log(&mut self) {
         // However the stream ended: completed, failed, or the client went away.
+        if let Some(mut exchange) = self.exchange.take() {
+            let effects = exchange.on_end();
+            self.carry_out(effects);
+        }
         self.inflight = None;
         self.prefill = None;
         self.pending = None;

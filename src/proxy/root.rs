@@ -135,9 +135,11 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
-        if self.filter.is_some() {
+        if let Some(app) = &self.filter {
             self.heartbeat();
             self.export_replica();
+            let unmonitored = app.borrow().unmonitored_workers() as u64;
+            self.stats.gauge("sgl_router_unmonitored_workers", unmonitored);
         }
     }
 

@@ -7,18 +7,20 @@ use std::sync::Arc;
 
 use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use super::headers::ProtectedHeaders;
-use super::routes::chat::{self, PendingChat};
-use super::upstream::{UpstreamAnswer, UpstreamHeader};
+use super::routes::chat::{self, Effects, PendingChat};
+use super::upstream::UpstreamHeader;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::RouterConfig;
-use crate::registry::WorkerRegistry;
+use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
+use crate::state::keys;
 
 pub struct AppContext {
     config: Arc<RouterConfig>,
     registry: WorkerRegistry,
+    availability: Arc<SharedAvailability>,
     resolvers: Resolvers,
     handles: StateHandles,
     breakers: Option<CircuitBreakers>,
@@ -37,13 +39,16 @@ impl AppContext {
             .circuit_breaker
             .as_ref()
             .map(|c| CircuitBreakers::new(Arc::clone(&handles.host), factory::breaker_settings(c)));
-        let availability = SharedAvailability::new(Arc::clone(&handles.host), breakers.clone());
-        let registry = WorkerRegistry::new(factory::workers(&config), Arc::new(availability));
+        let workers = factory::workers(&config);
+        let ids = workers.iter().map(|w| w.id.clone()).collect();
+        let availability = Arc::new(SharedAvailability::new(Arc::clone(&handles.host), breakers.clone(), ids));
+        let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
         Self {
             headers: ProtectedHeaders::new(&config, upstream.name()),
             config: Arc::new(config),
             registry,
+            availability,
             resolvers,
             handles,
             breakers,
@@ -60,6 +65,11 @@ impl AppContext {
         &self.handles
     }
 
+    /// Configured workers the service does not monitor, and so routes nothing to.
+    pub fn unmonitored_workers(&self) -> usize {
+        self.availability.unmonitored()
+    }
+
     pub fn headers(&self) -> &ProtectedHeaders {
         &self.headers
     }
@@ -71,11 +81,27 @@ impl AppContext {
         }
     }
 
-    /// A dispatch to `worker` finished with `answer`.
-    pub fn on_dispatch_result(&self, worker: &str, answer: UpstreamAnswer) {
+    /// Carries out what an exchange event asked for that shared state must hear: dispatch results
+    /// and abandoned probes to the breaker, the prefix event to the service. Returns the counters
+    /// for the glue to bump.
+    pub fn carry_out(&self, effects: Effects) -> Vec<String> {
         if let Some(b) = &self.breakers {
-            b.record(worker, answer.engine_ok());
+            for (worker, answer) in &effects.results {
+                b.record(worker, answer.engine_ok());
+            }
+            for worker in &effects.abandoned {
+                b.abandon(worker);
+            }
         }
+        if let Some(event) = &effects.prefix_event {
+            let sent = serde_json::to_vec(event)
+                .map_err(|e| e.to_string())
+                .and_then(|bytes| self.handles.host.enqueue(keys::PREFIX_QUEUE, &bytes).map_err(|e| e.to_string()));
+            if let Err(e) = sent {
+                log::warn!("prefix event not sent to the service: {e}");
+            }
+        }
+        effects.counters
     }
 
     /// Prepares a buffered chat body and starts its bucket loop. `header` reads a request header.

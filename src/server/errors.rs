@@ -15,6 +15,7 @@ pub enum ErrorKind {
     OutsideCandidates,
     PrefillFailed,
     NotFound,
+    MethodNotAllowed,
 }
 
 impl ErrorKind {
@@ -31,6 +32,7 @@ impl ErrorKind {
             ErrorKind::OutsideCandidates => "OutsideCandidates",
             ErrorKind::PrefillFailed => "PrefillFailed",
             ErrorKind::NotFound => "not_found",
+            ErrorKind::MethodNotAllowed => "method_not_allowed",
         }
     }
 
@@ -38,6 +40,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest | ErrorKind::NoMatchingBucket => 400,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
+            ErrorKind::MethodNotAllowed => 405,
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::AdmissionRejected | ErrorKind::NoCandidates => 503,
             ErrorKind::InvalidSignal | ErrorKind::InvalidConfiguration | ErrorKind::OutsideCandidates => 500,

@@ -35,10 +35,13 @@ fn rejection_counters<'a>(
         .collect()
 }
 
-/// Counters for a completed selection.
+/// Counters for a completed selection. A plain request's outcome is known now; a PD request's
+/// only when its prefill answered (the exchange counts it).
 pub fn selected(selection: &Selection) -> Vec<String> {
-    let mut names =
-        vec![outcome("routed"), format!("sgl_router_bucket_selected_total.bucket.{}", label(&selection.bucket_id))];
+    let mut names = vec![format!("sgl_router_bucket_selected_total.bucket.{}", label(&selection.bucket_id))];
+    if matches!(selection.pick, BucketPick::Plain(_)) {
+        names.push(outcome("routed"));
+    }
     let pick =
         |stage: Role, worker: &str| format!("sgl_router_picks_total.stage.{}.worker.{}", stage.as_str(), label(worker));
     // Why each engine was chosen: a cache hit, a confirmed miss and an unavailable index stay apart.

@@ -277,6 +277,9 @@ impl ServiceCore {
             ("sgl_router_prefix_service_bytes".to_string(), bytes),
             ("sgl_router_affinity_bindings".to_string(), self.affinity.len() as u64),
         ]);
+        let (evictions, repairs) = self.affinity.counters();
+        gauges.push(("sgl_router_affinity_evictions".to_string(), evictions));
+        gauges.push(("sgl_router_affinity_repaired_shards".to_string(), repairs));
         gauges
     }
 }
@@ -322,7 +325,8 @@ mod tests {
             ("sgl_A", "/health", "GET")
         );
         assert_eq!(plan.polls[2].request.path, "/v1/loads");
-        assert_eq!(health_published(&host), Some(HealthTable::default()));
+        let published = health_published(&host).unwrap();
+        assert_eq!((published.unhealthy.len(), published.monitored), (0, vec!["A".to_string(), "B".to_string()]));
         assert!(core.tick(10).polls.is_empty(), "nothing is due again while the polls are out");
         let later = core.tick(vm_registry::HEARTBEAT_MS);
         assert!(later.gauges.contains(&("sgl_router_healthy_workers".to_string(), 2)), "{:?}", later.gauges);

@@ -2,7 +2,9 @@
 //! live in a fixed number of shards in shared data (never a key per session), updated with cas.
 //! Concurrent first assignments converge on one binding; the caller re-checks whichever engine
 //! won. The service sweeps idle bindings; each shard also caps its entries so memory stays bounded
-//! even between sweeps.
+//! even between sweeps: at most `SHARDS × MAX_PER_SHARD` = 262,144 bindings in all, the least
+//! recently used evicted first (counted). A shard that does not decode is counted, logged and
+//! rewritten empty on its next change; the other shards keep their bindings.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -11,7 +13,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::keys;
-use super::shared::update;
+use super::shared::{fetch_add, read_u64, update};
 use crate::host::{Host, HostError};
 use crate::registry::Role;
 
@@ -88,22 +90,26 @@ struct Shard {
 }
 
 impl Shard {
-    fn decode(bytes: &[u8]) -> Self {
-        serde_json::from_slice(bytes).unwrap_or_default()
+    fn decode(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
     }
 
     fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_else(|_| b"{\"bindings\":{}}".to_vec())
     }
 
-    fn cap(&mut self) {
-        while self.bindings.len() > MAX_PER_SHARD {
+    /// Evicts the least recently used past `max`; returns how many went.
+    fn cap(&mut self, max: usize) -> u64 {
+        let mut evicted = 0;
+        while self.bindings.len() > max {
             let oldest = self.bindings.iter().min_by_key(|(_, b)| b.last_used_ms).map(|(k, _)| k.clone());
             match oldest {
                 Some(k) => self.bindings.remove(&k),
                 None => break,
             };
+            evicted += 1;
         }
+        evicted
     }
 }
 
@@ -119,28 +125,56 @@ pub enum Bound {
 #[derive(Debug, Clone)]
 pub struct AffinityStore {
     host: Arc<dyn Host>,
+    max_per_shard: usize,
 }
 
 impl AffinityStore {
     pub fn new(host: Arc<dyn Host>) -> Self {
-        Self { host }
+        Self { host, max_per_shard: MAX_PER_SHARD }
     }
 
     fn read(&self, shard: u64) -> Shard {
         match self.host.shared_get(&keys::affinity_shard(shard)) {
-            Ok(Some(v)) => Shard::decode(&v.bytes),
+            Ok(Some(v)) => Shard::decode(&v.bytes).unwrap_or_else(|e| {
+                log::warn!("affinity shard {shard} does not decode ({e}); its bindings are unusable");
+                Shard::default()
+            }),
             _ => Shard::default(),
         }
     }
 
     fn change<R>(&self, shard: u64, f: impl FnMut(&mut Shard) -> R) -> Result<R, HostError> {
         let mut f = f;
-        update(self.host.as_ref(), &keys::affinity_shard(shard), &Shard::default().encode(), |bytes| {
-            let mut s = Shard::decode(bytes);
-            let r = f(&mut s);
-            s.cap();
-            (s.encode(), r)
-        })
+        let (result, evicted, repaired) =
+            update(self.host.as_ref(), &keys::affinity_shard(shard), &Shard::default().encode(), |bytes| {
+                let (mut s, repaired) = match Shard::decode(bytes) {
+                    Ok(s) => (s, false),
+                    Err(_) => (Shard::default(), true),
+                };
+                let r = f(&mut s);
+                let evicted = s.cap(self.max_per_shard);
+                (s.encode(), (r, evicted, repaired))
+            })?;
+        if repaired {
+            log::warn!("affinity shard {shard} did not decode; rewritten empty, the other shards are untouched");
+            self.count(keys::AFFINITY_REPAIRS, 1);
+        }
+        if evicted > 0 {
+            self.count(keys::AFFINITY_EVICTIONS, evicted);
+        }
+        Ok(result)
+    }
+
+    fn count(&self, key: &str, n: u64) {
+        if let Err(e) = fetch_add(self.host.as_ref(), key, n) {
+            log::warn!("{key} not counted: {e}");
+        }
+    }
+
+    /// Bindings evicted by the per-shard cap, and corrupt shards rewritten, since start.
+    pub fn counters(&self) -> (u64, u64) {
+        let read = |key| read_u64(self.host.as_ref(), key).ok().flatten().unwrap_or(0);
+        (read(keys::AFFINITY_EVICTIONS), read(keys::AFFINITY_REPAIRS))
     }
 
     /// The engine bound to `scope`, if any. A read only: using a binding refreshes it through
@@ -303,5 +337,37 @@ mod tests {
             store.bind(&scope(k), "A", None).unwrap();
         }
         assert_eq!(store.len(), 200);
+    }
+
+    #[test]
+    fn a_corrupt_shard_is_counted_and_repaired_and_the_other_shards_keep_their_bindings() {
+        let host = Arc::new(MemoryHost::default());
+        let store = AffinityStore::new(host.clone());
+        let (a, b) = (scope("a"), (0..).map(|i| format!("k{i}")).find(|k| scope(k).shard() != scope("a").shard()));
+        let b = b.unwrap();
+        store.bind(&a, "A", None).unwrap();
+        store.bind(&scope(&b), "B", None).unwrap();
+        host.shared_set(&keys::affinity_shard(a.shard()), b"{not json", None).unwrap();
+        assert_eq!(store.get(&a), None, "unusable, not misread");
+        assert_eq!(store.counters(), (0, 0), "a read repairs nothing");
+        store.bind(&a, "C", None).unwrap();
+        assert_eq!(store.get(&a).as_deref(), Some("C"), "the shard works again");
+        assert_eq!(store.get(&scope(&b)).as_deref(), Some("B"), "the other shard kept its binding");
+        assert_eq!(store.counters(), (0, 1));
+    }
+
+    #[test]
+    fn evictions_past_the_shard_cap_are_counted() {
+        let host = Arc::new(MemoryHost::default());
+        let store = AffinityStore { max_per_shard: 8, ..AffinityStore::new(host.clone()) };
+        let shard = scope("x0").shard();
+        let same: Vec<String> = (0..).map(|i| format!("x{i}")).filter(|k| scope(k).shard() == shard).take(11).collect();
+        for k in &same {
+            host.advance_ms(1);
+            store.bind(&scope(k), "A", None).unwrap();
+        }
+        assert_eq!(store.counters(), (3, 0));
+        assert_eq!(store.get(&scope(&same[0])), None, "the least recently used went first");
+        assert!(store.get(&scope(same.last().unwrap())).is_some());
     }
 }

@@ -1,6 +1,7 @@
 //! The registry's view of worker health in a filter VM: the service's published health table plus
 //! the circuit breakers, read once per request. The health table is decoded again only when its
-//! version moved.
+//! version moved. A worker the service does not monitor (the filter's configuration changed alone)
+//! is unavailable: its failures would go unseen.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -16,38 +17,62 @@ use crate::registry::Availability;
 pub struct SharedAvailability {
     host: Arc<dyn Host>,
     breakers: Option<CircuitBreakers>,
+    /// The filter's own workers.
+    configured: Vec<String>,
     health: Mutex<HealthCopy>,
 }
 
 #[derive(Debug)]
 struct HealthCopy {
     reader: VersionedReader<HealthTable>,
-    unhealthy: Arc<HashSet<String>>,
+    /// Unhealthy or unmonitored.
+    out: Arc<HashSet<String>>,
+    unmonitored: Vec<String>,
 }
 
 impl SharedAvailability {
-    pub fn new(host: Arc<dyn Host>, breakers: Option<CircuitBreakers>) -> Self {
-        let health = HealthCopy { reader: VersionedReader::new(keys::HEALTH_TABLE), unhealthy: Arc::default() };
-        Self { host, breakers, health: Mutex::new(health) }
+    pub fn new(host: Arc<dyn Host>, breakers: Option<CircuitBreakers>, configured: Vec<String>) -> Self {
+        let health = HealthCopy {
+            reader: VersionedReader::new(keys::HEALTH_TABLE),
+            out: Arc::default(),
+            unmonitored: Vec::new(),
+        };
+        Self { host, breakers, configured, health: Mutex::new(health) }
     }
 
-    fn unhealthy(&self) -> Arc<HashSet<String>> {
+    fn out_of_service(&self) -> Arc<HashSet<String>> {
         let Ok(mut copy) = self.health.lock() else {
             return Arc::default();
         };
         if copy.reader.refresh(self.host.as_ref()) {
             if let Some(table) = copy.reader.value() {
-                copy.unhealthy = Arc::new(table.unhealthy.iter().cloned().collect());
+                let monitored: HashSet<&str> = table.monitored.iter().map(String::as_str).collect();
+                let unmonitored: Vec<String> =
+                    self.configured.iter().filter(|w| !monitored.contains(w.as_str())).cloned().collect();
+                for w in unmonitored.iter().filter(|w| !copy.unmonitored.contains(w)) {
+                    log::warn!(
+                        "worker {w} is in this filter's configuration but the service does not check its health; \
+                         it gets no traffic until the service's configuration names it too"
+                    );
+                }
+                copy.out = Arc::new(table.unhealthy.iter().cloned().chain(unmonitored.iter().cloned()).collect());
+                copy.unmonitored = unmonitored;
             }
         }
-        Arc::clone(&copy.unhealthy)
+        Arc::clone(&copy.out)
+    }
+
+    /// Configured workers the service does not monitor (a gauge for operators).
+    pub fn unmonitored(&self) -> usize {
+        self.out_of_service();
+        self.health.lock().map(|c| c.unmonitored.len()).unwrap_or(0)
     }
 }
 
 impl Availability for SharedAvailability {
     /// Unhealthy workers, and those whose breaker is open or whose half-open probe is out.
     fn unavailable(&self) -> Arc<HashSet<String>> {
-        let unhealthy = self.unhealthy();
+        let unhealthy = self.out_of_service();
         let open = self.breakers.as_ref().map(CircuitBreakers::unavailable).unwrap_or_default();
         if open.is_empty() {
             unhealthy
@@ -69,13 +94,28 @@ mod tests {
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
         let breakers =
             CircuitBreakers::new(Arc::clone(&host), BreakerSettings { failure_threshold: 1, cooldown_ms: 1000 });
-        let availability = SharedAvailability::new(Arc::clone(&host), Some(breakers.clone()));
+        let availability =
+            SharedAvailability::new(Arc::clone(&host), Some(breakers.clone()), vec!["A".into(), "B".into()]);
         assert!(availability.unavailable().is_empty(), "nothing published yet: everyone is available");
-        let table = HealthTable { unhealthy: vec!["A".into()] };
+        let table = HealthTable { unhealthy: vec!["A".into()], monitored: vec!["A".into(), "B".into()] };
         shared::publish(host.as_ref(), keys::HEALTH_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
         breakers.record("B", false);
         let mut down: Vec<String> = availability.unavailable().iter().cloned().collect();
         down.sort();
         assert_eq!(down, ["A", "B"]);
+    }
+
+    #[test]
+    fn a_worker_the_service_does_not_monitor_is_unavailable() {
+        let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let availability = SharedAvailability::new(Arc::clone(&host), None, vec!["A".into(), "NEW".into()]);
+        let table = HealthTable { unhealthy: vec![], monitored: vec!["A".into()] };
+        shared::publish(host.as_ref(), keys::HEALTH_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
+        assert_eq!(availability.unavailable().iter().collect::<Vec<_>>(), ["NEW"]);
+        assert_eq!(availability.unmonitored(), 1);
+        let table = HealthTable { unhealthy: vec![], monitored: vec!["A".into(), "NEW".into()] };
+        shared::publish(host.as_ref(), keys::HEALTH_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
+        assert!(availability.unavailable().is_empty(), "once the service monitors it, it serves");
+        assert_eq!(availability.unmonitored(), 0);
     }
 }

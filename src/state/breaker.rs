@@ -1,6 +1,8 @@
 //! The opt-in circuit breaker (spec §2): consecutive dispatch failures (connect errors, 5xx) open
 //! it; after the cool-down one probe request half-opens it; the probe's success closes it, its
-//! failure opens it again. Only workers with failures or an open breaker are stored, in one small
+//! failure opens it again. A probe always resolves: by its result, by the end of its stream without
+//! one (the client left, a PD 502 reset it: the probe is given back), or by a probe timeout of one
+//! cool-down (its VM died). Only workers with failures or an open breaker are stored, in one small
 //! shared map, so a healthy request path reads a few bytes and writes nothing.
 
 use std::collections::{BTreeMap, HashSet};
@@ -16,7 +18,8 @@ use crate::host::Host;
 struct Entry {
     failures: u32,
     opened_at_ms: Option<u64>,
-    probing: bool,
+    /// When the half-open probe went out.
+    probe_sent_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,7 +33,7 @@ impl Table {
             .iter()
             .filter(|(_, e)| match e.opened_at_ms {
                 Some(opened) if now_ms < opened.saturating_add(cooldown_ms) => true,
-                Some(_) => e.probing,
+                Some(_) => e.probe_sent_ms.is_some_and(|sent| now_ms < sent.saturating_add(cooldown_ms)),
                 None => false,
             })
             .map(|(id, _)| id.clone())
@@ -86,14 +89,26 @@ impl CircuitBreakers {
         let now = self.host.now_ms();
         let cooldown = self.config.cooldown_ms;
         let table = self.read();
-        let half_open = table
-            .workers
-            .get(worker)
-            .is_some_and(|e| !e.probing && e.opened_at_ms.is_some_and(|t| now >= t.saturating_add(cooldown)));
+        let half_open = table.workers.get(worker).is_some_and(|e| {
+            e.opened_at_ms.is_some_and(|t| now >= t.saturating_add(cooldown))
+                && e.probe_sent_ms.is_none_or(|sent| now >= sent.saturating_add(cooldown))
+        });
         if half_open {
             self.change(|t| {
                 if let Some(e) = t.workers.get_mut(worker) {
-                    e.probing = true;
+                    e.probe_sent_ms = Some(now);
+                }
+            });
+        }
+    }
+
+    /// A dispatch to `worker` ended without a result (the stream went away first). If it was the
+    /// probe, the probe is given back so the next request can probe; nothing is counted.
+    pub fn abandon(&self, worker: &str) {
+        if self.read().workers.get(worker).is_some_and(|e| e.probe_sent_ms.is_some()) {
+            self.change(|t| {
+                if let Some(e) = t.workers.get_mut(worker) {
+                    e.probe_sent_ms = None;
                 }
             });
         }
@@ -115,9 +130,9 @@ impl CircuitBreakers {
         self.change(|t| {
             let e = t.workers.entry(worker.to_string()).or_default();
             e.failures = e.failures.saturating_add(1);
-            if e.probing || e.failures >= threshold {
+            if e.probe_sent_ms.is_some() || e.failures >= threshold {
                 e.opened_at_ms = Some(now);
-                e.probing = false;
+                e.probe_sent_ms = None;
             }
         });
     }
@@ -182,6 +197,50 @@ mod tests {
         assert!(b.unavailable().contains("A"));
         host.advance_ms(999);
         assert!(b.unavailable().contains("A"), "a fresh cool-down");
+    }
+
+    fn half_open(host: &MemoryHost, b: &CircuitBreakers) {
+        for _ in 0..3 {
+            b.record("A", false);
+        }
+        host.advance_ms(1000);
+        b.on_dispatch("A");
+        assert!(b.unavailable().contains("A"), "the probe is out");
+    }
+
+    #[test]
+    fn a_probe_whose_stream_ends_without_a_result_is_given_back() {
+        let (host, b) = breakers();
+        half_open(&host, &b);
+        b.abandon("A");
+        assert!(b.unavailable().is_empty(), "the next request probes");
+        b.on_dispatch("A");
+        b.record("A", true);
+        assert!(b.unavailable().is_empty());
+    }
+
+    #[test]
+    fn a_probe_that_never_resolves_times_out_after_a_cooldown() {
+        let (host, b) = breakers();
+        half_open(&host, &b);
+        host.advance_ms(999);
+        assert!(b.unavailable().contains("A"));
+        host.advance_ms(1);
+        assert!(b.unavailable().is_empty(), "the lost probe no longer excludes the worker");
+        b.on_dispatch("A");
+        assert!(b.unavailable().contains("A"), "a new probe went out");
+    }
+
+    #[test]
+    fn abandoning_a_dispatch_that_was_not_a_probe_changes_nothing() {
+        let (host, b) = breakers();
+        b.record("A", false);
+        b.abandon("A");
+        b.abandon("B");
+        b.record("A", false);
+        b.record("A", false);
+        assert!(b.unavailable().contains("A"), "the failures still count");
+        let _ = host;
     }
 
     #[test]

@@ -10,6 +10,10 @@ use crate::registry::Worker;
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthTable {
     pub unhealthy: Vec<String>,
+    /// Every worker the service checks. A filter whose configuration names another (a filter-only
+    /// update) must not route to it: nobody would notice it failing.
+    #[serde(default)]
+    pub monitored: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -83,7 +87,10 @@ impl HealthMonitor {
     }
 
     pub fn table(&self) -> HealthTable {
-        HealthTable { unhealthy: self.workers.iter().filter(|w| !w.healthy).map(|w| w.id.clone()).collect() }
+        HealthTable {
+            unhealthy: self.workers.iter().filter(|w| !w.healthy).map(|w| w.id.clone()).collect(),
+            monitored: self.workers.iter().map(|w| w.id.clone()).collect(),
+        }
     }
 }
 

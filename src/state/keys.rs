@@ -35,6 +35,12 @@ pub fn affinity_shard(shard: u64) -> String {
     format!("sgl.affinity.{shard}")
 }
 
+/// Bindings the affinity store's per-shard cap evicted.
+pub const AFFINITY_EVICTIONS: &str = "sgl.affinity.evictions";
+
+/// Affinity shards found undecodable and rewritten.
+pub const AFFINITY_REPAIRS: &str = "sgl.affinity.repairs";
+
 /// The prefix log's next batch number.
 pub const PREFIX_HEAD: &str = "sgl.prefix.head";
 

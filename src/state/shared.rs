@@ -11,6 +11,11 @@ use crate::host::{Host, HostError};
 /// How often a cas update is retried before giving up; contention is between a handful of VMs.
 const CAS_RETRIES: usize = 32;
 
+/// The cas a first write carries. The host checks a cas only against an existing key, so this one
+/// writes when the key is absent and fails with a mismatch when anyone wrote it first: no existing
+/// value carries it (cas values count up from 1 and would need 2³² writes to reach it).
+const ONLY_IF_ABSENT: u32 = u32::MAX;
+
 /// Publishes a table written by the service alone: the table first, then its version, so a
 /// reader that sees the new version always finds the new table.
 pub fn publish(host: &dyn Host, table: &str, bytes: &[u8]) -> Result<u64, HostError> {
@@ -98,11 +103,11 @@ pub fn update<R>(
     }
     for _ in 0..CAS_RETRIES {
         match host.shared_get(key)? {
-            None => {
-                // Racing first writers may both seed the key; neither loses an update, because
-                // updates only ever happen through cas below.
-                host.shared_set(key, seed, None)?;
-            }
+            None => match host.shared_set(key, seed, Some(ONLY_IF_ABSENT)) {
+                // Seeded, or someone else seeded (and maybe already updated) it: read it again.
+                Ok(()) | Err(HostError::CasMismatch) => continue,
+                Err(e) => return Err(e),
+            },
             Some(current) => {
                 let (next, result) = change(&current.bytes);
                 match host.shared_set(key, &next, Some(current.cas)) {
@@ -152,6 +157,42 @@ mod tests {
         reader.current(&host);
         publish(&host, "t", b"not json").unwrap();
         assert_eq!(reader.current(&host), Some(&vec![1]));
+    }
+
+    /// Another VM seeds and updates the key between this VM's read (absent) and its seed.
+    #[derive(Debug)]
+    struct Interleaved {
+        inner: MemoryHost,
+        raced: std::sync::atomic::AtomicBool,
+    }
+
+    impl Host for Interleaved {
+        fn shared_get(&self, key: &str) -> Result<Option<crate::host::SharedValue>, HostError> {
+            let seen = self.inner.shared_get(key)?;
+            if seen.is_none() && !self.raced.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                fetch_add(&self.inner, key, 5)?;
+            }
+            Ok(seen)
+        }
+        fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+            self.inner.shared_set(key, value, cas)
+        }
+        fn now_ms(&self) -> u64 {
+            self.inner.now_ms()
+        }
+        fn random_u64(&self) -> u64 {
+            self.inner.random_u64()
+        }
+        fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
+            self.inner.enqueue(name, message)
+        }
+    }
+
+    #[test]
+    fn a_racing_first_write_never_overwrites_a_completed_update() {
+        let host = Interleaved { inner: MemoryHost::default(), raced: Default::default() };
+        assert_eq!(fetch_add(&host, "c", 1).unwrap(), 5, "the other VM's +5 is kept and seen");
+        assert_eq!(read_u64(&host, "c").unwrap(), Some(6));
     }
 
     #[test]

@@ -111,6 +111,12 @@ impl Process {
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+
+    /// Kills the process now (an engine that crashed).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for Process {
@@ -193,6 +199,11 @@ impl Sim {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The engine dies: its port refuses connections from now on.
+    pub fn stop(&mut self) {
+        self.process.stop();
     }
 
     pub fn control(&self, update: Value) {
@@ -398,12 +409,26 @@ pub fn send(url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &st
 /// [`send`] on a given agent, reusing its kept-alive connection.
 pub fn send_with(a: &ureq::Agent, url: &str, method: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> Reply {
     let result = match (method, body) {
-        ("GET", _) => {
-            let mut req = a.get(url);
+        ("GET" | "DELETE" | "HEAD", _) => {
+            let mut req = match method {
+                "DELETE" => a.delete(url),
+                "HEAD" => a.head(url),
+                _ => a.get(url),
+            };
             for (k, v) in headers {
                 req = req.header(*k, *v);
             }
             req.call()
+        }
+        ("PUT", body) => {
+            let mut req = a.put(url);
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            match body {
+                Some(b) => req.header("content-type", "application/json").send(b.to_string()),
+                None => req.send_empty(),
+            }
         }
         (_, body) => {
             let mut req = a.post(url);

@@ -3,6 +3,8 @@
 pub mod chat;
 pub mod models;
 
+use super::{ErrorKind, RouteError};
+
 /// What the filter does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
@@ -10,6 +12,8 @@ pub enum Route {
     Chat,
     /// `GET /v1/models`: answered by the filter from the configured models.
     ListModels,
+    /// A path of the filter's with another method: 405, and `Allow` names the one that works.
+    MethodNotAllowed { allow: &'static str },
     /// Anything else goes where Envoy's own routes send it.
     PassThrough,
 }
@@ -20,8 +24,16 @@ pub fn route(method: &str, path: &str) -> Route {
     match (method, path) {
         ("POST", chat::CHAT_PATH) => Route::Chat,
         ("GET", models::MODELS_PATH) => Route::ListModels,
+        (_, chat::CHAT_PATH) => Route::MethodNotAllowed { allow: "POST" },
+        (_, models::MODELS_PATH) => Route::MethodNotAllowed { allow: "GET" },
         _ => Route::PassThrough,
     }
+}
+
+/// The error a [`Route::MethodNotAllowed`] answers with.
+pub fn method_not_allowed(method: &str, path: &str, allow: &str) -> RouteError {
+    let path = path.split('?').next().unwrap_or_default();
+    RouteError::new(ErrorKind::MethodNotAllowed, format!("{method} is not allowed on {path}; use {allow}"))
 }
 
 #[cfg(test)]
@@ -33,8 +45,13 @@ mod tests {
         assert_eq!(route("POST", "/v1/chat/completions"), Route::Chat);
         assert_eq!(route("POST", "/v1/chat/completions?x=1"), Route::Chat);
         assert_eq!(route("GET", "/v1/models"), Route::ListModels);
-        assert_eq!(route("GET", "/v1/chat/completions"), Route::PassThrough);
-        assert_eq!(route("POST", "/v1/models"), Route::PassThrough);
+        assert_eq!(route("GET", "/v1/chat/completions"), Route::MethodNotAllowed { allow: "POST" });
+        assert_eq!(route("DELETE", "/v1/chat/completions?a"), Route::MethodNotAllowed { allow: "POST" });
+        assert_eq!(route("PUT", "/v1/chat/completions"), Route::MethodNotAllowed { allow: "POST" });
+        assert_eq!(route("POST", "/v1/models"), Route::MethodNotAllowed { allow: "GET" });
+        let e = method_not_allowed("GET", "/v1/chat/completions?x", "POST");
+        assert_eq!((e.status(), e.kind.type_name()), (405, "method_not_allowed"));
+        assert_eq!(e.message, "GET is not allowed on /v1/chat/completions; use POST");
         assert_eq!(route("POST", "/v1/chat/completions/"), Route::PassThrough);
         assert_eq!(route("GET", "/health"), Route::PassThrough);
     }

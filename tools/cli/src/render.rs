@@ -129,6 +129,7 @@ fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -
                     "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                     "stat_prefix": "sgl",
                     "stream_idle_timeout": duration(config.timeouts.stream_idle_ms),
+                    "local_reply_config": local_reply_config(),
                     "route_config": {
                         "name": "sgl_routes",
                         "virtual_hosts": [{
@@ -161,6 +162,29 @@ fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -
             }],
         }],
     })
+}
+
+/// Envoy's own replies about an engine (connect failure, no healthy host, timeouts, overflow) in
+/// the filter's error shape (spec §4), naming the engine's cluster. Matched by response flag, so
+/// the filter's own JSON replies (which carry none) pass untouched.
+fn local_reply_config() -> Value {
+    let mapper = |kind: &str, flags: &[&str]| {
+        json!({
+            "filter": {"response_flag_filter": {"flags": flags}},
+            "body_format_override": {
+                "json_format": {"error": {
+                    "message": "%LOCAL_REPLY_BODY% (engine cluster: %UPSTREAM_CLUSTER%, host: %UPSTREAM_HOST%, flags: %RESPONSE_FLAGS%)",
+                    "type": kind,
+                    "code": "%RESPONSE_CODE%",
+                }},
+            },
+        })
+    };
+    json!({"mappers": [
+        mapper("upstream_timeout", &["UT", "SI"]),
+        mapper("upstream_overflow", &["UO", "OM"]),
+        mapper("upstream_unavailable", &["UF", "UH", "UC", "URX", "NR", "LR", "UR", "UMSDR", "DF", "NC", "UPE"]),
+    ]})
 }
 
 fn duration(ms: u64) -> String {

@@ -61,6 +61,9 @@ pub async fn chat_completions(
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let rooms = pd::rooms_of(&body);
+    let authorized = engine.args.api_key.as_ref().is_none_or(|key| {
+        headers.get("authorization").and_then(|v| v.to_str().ok()) == Some(format!("Bearer {key}").as_str())
+    });
     engine.record(RequestRecord {
         path: uri.path().to_string(),
         stream,
@@ -75,7 +78,11 @@ pub async fn chat_completions(
             .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
             .collect(),
     });
-    let response = serve(&engine, body, stream, rooms, received_ms).await;
+    let response = if authorized {
+        serve(&engine, body, stream, rooms, received_ms).await
+    } else {
+        error(StatusCode::UNAUTHORIZED, "UnauthorizedError", "missing or wrong API key")
+    };
     if !stream || !response.status().is_success() {
         engine.finish_record(received_ms, response.status().as_u16());
     }

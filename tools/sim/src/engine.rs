@@ -87,6 +87,9 @@ pub struct Args {
     /// The process exits after serving this many chat requests.
     #[arg(long)]
     pub crash_after: Option<u64>,
+    /// As SGLang's `--api-key`: generation requests without `Authorization: Bearer KEY` get 401.
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 /// Bytes per simulated token, as the router's default estimator counts.

@@ -3,11 +3,13 @@
 
 pub mod bucket_loop;
 pub mod decision;
+pub mod exchange;
 pub mod pd;
 mod prepare;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
 pub use decision::{ChatOutcome, Decision, PendingChat, Target};
+pub use exchange::{ChatExchange, Effects};
 pub use prepare::{prepare, prepare_with_body, prompt_text, ChatFacts, MAX_PROMPT_BYTES};
 
 use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};

@@ -24,15 +24,59 @@ pub struct PdDispatch {
     pub prefill_timeout_ms: u64,
 }
 
+/// Hop-by-hop headers (RFC 9110 §7.6.1 and the old proxy ones): they describe one connection, not
+/// the request, so they never go on to the prefill engine.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Headers the prefill callout sets itself: the body changed, so its length and framing are new.
+const SET_BY_CALLOUT: [&str; 4] = ["host", "content-length", "content-type", "expect"];
+
+/// The client's end-to-end headers, for the prefill engine exactly as for the decode engine:
+/// authorization, request ids, trace context and the like. Pseudo-headers, hop-by-hop headers
+/// (and those `connection` names), Envoy's internal `x-envoy-*`, framing, and every routing header
+/// the filter strips are left out.
+pub fn forwarded_headers(client: Vec<(String, String)>, routing: &[String]) -> Vec<(String, String)> {
+    let named_by_connection: Vec<String> = client
+        .iter()
+        .filter(|(k, _)| k.eq_ignore_ascii_case("connection"))
+        .flat_map(|(_, v)| v.split(',').map(|t| t.trim().to_ascii_lowercase()))
+        .collect();
+    client
+        .into_iter()
+        .filter(|(k, _)| {
+            let k = k.to_ascii_lowercase();
+            !(k.starts_with(':')
+                || k.starts_with("x-envoy-")
+                || HOP_BY_HOP.contains(&k.as_str())
+                || SET_BY_CALLOUT.contains(&k.as_str())
+                || named_by_connection.contains(&k)
+                || routing.iter().any(|r| r.eq_ignore_ascii_case(&k)))
+        })
+        .collect()
+}
+
 impl PdDispatch {
-    /// The prefill request: the same body as the decode engine's, to the prefill engine's cluster.
-    pub fn prefill_request(&self) -> CalloutRequest {
+    /// The prefill request: the same body and end-to-end headers as the decode engine's, to the
+    /// prefill engine's cluster. `client_headers` come from [`forwarded_headers`].
+    pub fn prefill_request(&self, client_headers: Vec<(String, String)>) -> CalloutRequest {
+        let mut headers = client_headers;
+        headers.push(("content-type".to_string(), "application/json".to_string()));
         CalloutRequest {
             cluster: self.prefill.cluster.clone(),
             method: "POST".to_string(),
             path: CHAT_PATH.to_string(),
             authority: self.prefill.address.host_port(),
-            headers: vec![("content-type".to_string(), "application/json".to_string())],
+            headers,
             body: Some(self.body.clone()),
             timeout_ms: self.prefill_timeout_ms,
         }
@@ -244,9 +288,46 @@ mod tests {
     fn the_prefill_request_carries_the_decode_body_to_the_prefill_cluster() {
         let p = worker_with("P1", Role::Prefill, "m");
         let d = PdDispatch { prefill: p, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
-        let r = d.prefill_request();
+        let r = d.prefill_request(vec![("authorization".into(), "Bearer k".into())]);
+        assert_eq!(
+            r.headers,
+            [("authorization".to_string(), "Bearer k".to_string()), ("content-type".into(), "application/json".into())]
+        );
         assert_eq!((r.cluster.as_str(), r.method.as_str(), r.path.as_str()), ("sgl_P1", "POST", CHAT_PATH));
         assert_eq!((r.authority.as_str(), r.body.as_deref(), r.timeout_ms), ("127.0.0.1:1", Some(&b"{}"[..]), 7));
+    }
+
+    #[test]
+    fn end_to_end_client_headers_go_to_prefill_and_nothing_else() {
+        let h = |k: &str, v: &str| (k.to_string(), v.to_string());
+        let client = vec![
+            h(":method", "POST"),
+            h(":authority", "router"),
+            h("authorization", "Bearer secret"),
+            h("x-request-id", "r1"),
+            h("traceparent", "00-abc-def-01"),
+            h("Connection", "keep-alive, x-hop"),
+            h("x-hop", "1"),
+            h("keep-alive", "timeout=5"),
+            h("transfer-encoding", "chunked"),
+            h("content-length", "12"),
+            h("content-type", "application/json"),
+            h("x-envoy-expected-rq-timeout-ms", "1000"),
+            h("x-sgl-cluster", "sgl_evil"),
+            h("x-my-upstream", "evil"),
+            h("x-session-id", "s1"),
+        ];
+        let routing = vec!["x-sgl-cluster".to_string(), "x-my-upstream".to_string()];
+        let kept = forwarded_headers(client, &routing);
+        assert_eq!(
+            kept,
+            [
+                h("authorization", "Bearer secret"),
+                h("x-request-id", "r1"),
+                h("traceparent", "00-abc-def-01"),
+                h("x-session-id", "s1")
+            ]
+        );
     }
 
     #[test]

@@ -1,0 +1,217 @@
+//! One routed chat request after its decision, until its stream ends: which dispatches still owe a
+//! result, when the decode response may pass (via [`PdExchange`]), when the prefill work counts as
+//! done (the prefix is recorded only then, spec §3), and the request's one outcome. The filter
+//! reports each event and carries out the [`Effects`] it gets back.
+
+use super::pd::{Flow, PdExchange, PrefillDone};
+use super::Decision;
+use crate::server::metrics;
+use crate::server::upstream::UpstreamAnswer;
+use crate::state::kv_events::PrefixEvent;
+
+/// What the filter (through `AppContext::carry_out`) does after an event.
+#[derive(Debug, Default, PartialEq)]
+pub struct Effects {
+    /// Dispatch results for the circuit breaker.
+    pub results: Vec<(String, UpstreamAnswer)>,
+    /// Dispatches whose stream ended without a result: a probe among them is given back.
+    pub abandoned: Vec<String>,
+    /// The prompt's prefix, recorded now that its engine did the prefill work.
+    pub prefix_event: Option<PrefixEvent>,
+    /// Counters to bump, the request's one outcome among them.
+    pub counters: Vec<String>,
+}
+
+#[derive(Debug)]
+pub struct ChatExchange {
+    decision: Decision,
+    pd: Option<PdExchange>,
+    prefix_event: Option<PrefixEvent>,
+    /// Workers dispatched to whose result is not recorded yet.
+    unanswered: Vec<String>,
+    /// PD only: the outcome is known once the prefill answered (or the decode failed first).
+    outcome_pending: bool,
+}
+
+impl ChatExchange {
+    /// A plain decision's outcome was counted with its selection; a PD decision's waits.
+    pub fn new(mut decision: Decision) -> Self {
+        let prefix_event = decision.prefix_event.take();
+        let pd = decision.pd.as_ref().map(|pd| PdExchange::new(std::sync::Arc::clone(&pd.prefill)));
+        Self { outcome_pending: pd.is_some(), decision, pd, prefix_event, unanswered: Vec::new() }
+    }
+
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+
+    /// A request or callout went to `worker`.
+    pub fn dispatched(&mut self, worker: &str) {
+        self.unanswered.push(worker.to_string());
+    }
+
+    fn answered(&mut self, worker: &str, answer: UpstreamAnswer, effects: &mut Effects) {
+        if let Some(i) = self.unanswered.iter().position(|w| w == worker) {
+            self.unanswered.swap_remove(i);
+            effects.results.push((worker.to_string(), answer));
+        }
+    }
+
+    fn outcome(&mut self, name: &str, effects: &mut Effects) {
+        if std::mem::take(&mut self.outcome_pending) {
+            effects.counters.push(metrics::outcome(name));
+        }
+    }
+
+    /// The upstream (plain or decode) engine's response headers arrived.
+    pub fn on_upstream_headers(&mut self, status: Option<u16>) -> (Flow, Effects) {
+        let mut effects = Effects::default();
+        let answer = UpstreamAnswer::from_status(status);
+        let upstream = self.decision.target.upstream().id.clone();
+        self.answered(&upstream, answer, &mut effects);
+        let flow = match self.pd.as_mut() {
+            Some(pd) => {
+                let flow = pd.on_decode_headers(status);
+                if flow == Flow::Pass && !answer.succeeded() {
+                    // The decode engine's own error went to the client; the request was routed.
+                    self.outcome("routed", &mut effects);
+                }
+                flow
+            }
+            None => {
+                if answer.succeeded() {
+                    effects.prefix_event = self.prefix_event.take();
+                }
+                Flow::Pass
+            }
+        };
+        (flow, effects)
+    }
+
+    /// A chunk of the upstream response body arrived.
+    pub fn on_upstream_body(&self) -> Flow {
+        self.pd.as_ref().map_or(Flow::Pass, PdExchange::on_decode_body)
+    }
+
+    /// The PD prefill callout answered (`None`: timeout or connection failure).
+    pub fn on_prefill_done(&mut self, status: Option<u16>) -> (PrefillDone, Effects) {
+        let mut effects = Effects::default();
+        let Some(pd) = self.pd.as_mut() else {
+            return (PrefillDone::Nothing, effects);
+        };
+        let prefill = pd.prefill().id.clone();
+        let done = pd.on_prefill_done(status);
+        let answer = UpstreamAnswer::from_status(status);
+        self.answered(&prefill, answer, &mut effects);
+        if answer.succeeded() {
+            effects.prefix_event = self.prefix_event.take();
+        }
+        match &done {
+            PrefillDone::Fail(e) => self.outcome(e.kind.type_name(), &mut effects),
+            PrefillDone::Resume | PrefillDone::Nothing => self.outcome("routed", &mut effects),
+        }
+        (done, effects)
+    }
+
+    /// The stream ended, however: completed, reset, or the client went away.
+    pub fn on_end(&mut self) -> Effects {
+        let mut effects = Effects { abandoned: std::mem::take(&mut self.unanswered), ..Effects::default() };
+        // A PD request whose client left before the prefill answered was still routed.
+        self.outcome("routed", &mut effects);
+        effects
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::registry::Role;
+    use crate::server::routes::chat::pd::PdDispatch;
+    use crate::server::routes::chat::Target;
+    use crate::server::ErrorKind;
+    use crate::state::kv_events::Tier;
+    use crate::testing::{worker, worker_with};
+
+    fn event(worker: &str) -> PrefixEvent {
+        PrefixEvent::Stored { model: "m".into(), worker: worker.into(), text: "hi".into(), tier: Tier::Gpu }
+    }
+
+    fn plain() -> ChatExchange {
+        let a = worker("A");
+        let mut x = ChatExchange::new(Decision {
+            bucket_id: "b".into(),
+            target: Target::Plain(a),
+            upstream_header: ("x-sgl-cluster".into(), "sgl_A".into()),
+            pd: None,
+            prefix_event: Some(event("A")),
+        });
+        x.dispatched("A");
+        x
+    }
+
+    fn pd() -> ChatExchange {
+        let (p, d) = (worker_with("P", Role::Prefill, "m"), worker_with("D", Role::Decode, "m"));
+        let mut x = ChatExchange::new(Decision {
+            bucket_id: "b".into(),
+            target: Target::Pd { prefill: Arc::clone(&p), decode: d },
+            upstream_header: ("x-sgl-cluster".into(), "sgl_D".into()),
+            pd: Some(PdDispatch { prefill: p, body: vec![], rooms: vec![1], prefill_timeout_ms: 1 }),
+            prefix_event: Some(event("P")),
+        });
+        x.dispatched("P");
+        x.dispatched("D");
+        x
+    }
+
+    #[test]
+    fn a_plain_prefix_is_recorded_only_when_the_engine_answered_2xx() {
+        let mut failed = plain();
+        let (_, effects) = failed.on_upstream_headers(Some(503));
+        assert_eq!(effects.prefix_event, None);
+        assert_eq!(effects.results, [("A".to_string(), UpstreamAnswer::Failed)]);
+        assert!(effects.counters.is_empty(), "a plain outcome was counted with its selection");
+        let mut ok = plain();
+        assert_eq!(ok.on_upstream_headers(Some(200)).1.prefix_event, Some(event("A")));
+    }
+
+    #[test]
+    fn a_pd_prefix_is_recorded_when_the_prefill_succeeds_never_when_it_fails() {
+        let mut x = pd();
+        let (flow, effects) = x.on_upstream_headers(Some(200));
+        assert_eq!((flow, effects.prefix_event), (Flow::Hold, None), "decode success is not the prefill's");
+        let (done, effects) = x.on_prefill_done(Some(200));
+        assert_eq!(done, PrefillDone::Resume);
+        assert_eq!(effects.prefix_event, Some(event("P")));
+        assert_eq!(effects.counters, [metrics::outcome("routed")]);
+
+        let mut y = pd();
+        let (done, effects) = y.on_prefill_done(Some(500));
+        assert!(matches!(done, PrefillDone::Fail(ref e) if e.kind == ErrorKind::PrefillFailed));
+        assert_eq!(effects.prefix_event, None);
+        assert_eq!(effects.counters, [metrics::outcome("PrefillFailed")], "one outcome, not routed as well");
+        assert!(y.on_end().counters.is_empty(), "and never a second one");
+    }
+
+    #[test]
+    fn a_decode_failing_first_is_routed_once() {
+        let mut x = pd();
+        let (flow, effects) = x.on_upstream_headers(Some(503));
+        assert_eq!((flow, effects.counters.clone()), (Flow::Pass, vec![metrics::outcome("routed")]));
+        let (done, effects) = x.on_prefill_done(Some(200));
+        assert_eq!(done, PrefillDone::Nothing);
+        assert!(effects.counters.is_empty());
+    }
+
+    #[test]
+    fn dispatches_without_a_result_are_abandoned_at_the_end() {
+        let mut x = pd();
+        x.on_upstream_headers(Some(200));
+        let effects = x.on_end();
+        assert_eq!(effects.abandoned, ["P"], "the prefill never answered; the decode did");
+        assert_eq!(effects.counters, [metrics::outcome("routed")], "the client left before the prefill answered");
+        let mut y = plain();
+        assert_eq!(y.on_end().abandoned, ["A"], "the client left before response headers");
+    }
+}
