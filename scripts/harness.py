@@ -1,0 +1,107 @@
+"""Shared by scripts/bench and scripts/soak: start and stop processes (simulated engines, Envoy
+with the filter), wait for them, read Envoy's Prometheus stats. Every process lives in one scratch
+directory whose logs outlive the run."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+VENV = ROOT / ".venv"
+ENVOY = VENV / "bin" / "envoy"
+PY = VENV / "bin" / "python"
+SGLANG_ROUTER = "sglang-router==0.3.2"
+RUN = Path(tempfile.mkdtemp(prefix=f"sgl-{Path(sys.argv[0]).name}-"))
+PROCS = []
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(name, cmd, env=None):
+    out = open(RUN / f"{name}.log", "w")
+    p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=RUN)
+    PROCS.append(p)
+    return p
+
+
+def stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        if p in PROCS:
+            PROCS.remove(p)
+
+
+def wait_http(url, timeout=60, ok=(200,)):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status in ok:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up; logs in {RUN}")
+
+
+def bin_(name):
+    return str(TARGET / "release" / name)
+
+
+def sims(n, base_args):
+    ports = [free_port() for _ in range(n)]
+    procs = [start(f"sim{i}", [bin_("sgl-sim"), "--id", f"E{i:02d}", "--port", str(p), *base_args]) for i, p in enumerate(ports)]
+    for p in ports:
+        wait_http(f"http://127.0.0.1:{p}/health")
+    return ports, procs
+
+
+def envoy_with_filter(name, cfg):
+    port, admin = free_port(), free_port()
+    path = RUN / f"{name}.router.json"
+    path.write_text(json.dumps(cfg))
+    yaml = subprocess.run([bin_("sgl-envoy-router"), "render", str(path), "--wasm", str(TARGET / "wasm32-wasip1/release/sgl_envoy_router.wasm"),
+                           "--listen", f"127.0.0.1:{port}", "--admin", str(admin)], capture_output=True, text=True, check=True).stdout
+    (RUN / f"{name}.envoy.yaml").write_text(yaml)
+    p = start(name, [str(ENVOY), "-c", str(RUN / f"{name}.envoy.yaml"), "--concurrency", "2", "--disable-hot-restart", "-l", "warning"])
+    wait_http(f"http://127.0.0.1:{admin}/ready")
+    time.sleep(1.5)  # the service's first load and health data
+    p.admin_port = admin
+    return port, [p]
+
+
+
+def metric(admin_port, prefix):
+    """Every Prometheus sample of Envoy's admin whose line starts with `prefix`, as {line: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats/prometheus", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
