@@ -409,4 +409,47 @@ mod tests {
             assert!(paths.contains(&format!("{policy}.{field}").as_str()), "{field}: {paths:?}");
         }
     }
+
+    #[test]
+    fn the_prefix_index_section_and_event_endpoints_are_checked_by_path() {
+        let mut v = minimal();
+        v["workers"][0]["kv_events"] = json!("tcp://127.0.0.1:5557");
+        v["workers"][0]["kv_events_replay"] = json!("tcp://127.0.0.1:5558");
+        v["models"]["m"]["tokenizer"] = json!("/models/m/tokenizer.json");
+        v["prefix_index"] = json!({"url": "http://127.0.0.1:9100"});
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] =
+            json!({"type": "cache_aware", "source": "remote"});
+        let c = from_value(v.clone()).unwrap();
+        let index = c.prefix_index.unwrap();
+        assert_eq!(
+            (index.cluster.as_str(), index.timeout_ms, index.max_concurrent, index.block_tokens),
+            ("sgl_indexer", 50, 64, 16)
+        );
+
+        v["workers"][1]["kv_events"] = json!("ipc:///tmp/x");
+        v["workers"][1]["kv_events_replay"] = json!("tcp://h:0");
+        v["prefix_index"] = json!({"url": "https://x", "cluster": "sgl_A", "timeout_ms": 0, "token": "t"});
+        let errors = from_value(v).unwrap_err().0;
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        for expected in [
+            "workers[1].kv_events",
+            "workers[1].kv_events_replay",
+            "prefix_index.url",
+            "prefix_index.cluster",
+            "prefix_index.timeout_ms",
+            "prefix_index.token_header",
+        ] {
+            assert!(paths.contains(&expected), "{expected} missing from {paths:?}");
+        }
+    }
+
+    #[test]
+    fn a_remote_cache_source_without_a_prefix_index_names_its_path() {
+        let mut v = minimal();
+        v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] =
+            json!({"type": "cache_aware", "source": "remote"});
+        let errors = from_value(v).unwrap_err().0;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].path, "models.m.buckets[0].groups.plain.policy.source");
+    }
 }

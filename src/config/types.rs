@@ -29,7 +29,34 @@ pub struct RouterConfig {
     pub affinity_sweep_ms: u64,
     #[serde(default)]
     pub debug: DebugConfig,
+    /// The precise prefix index (spec §7); absent = byte estimate and the in-proxy tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_index: Option<PrefixIndexConfig>,
     pub models: BTreeMap<String, ModelConfig>,
+}
+
+/// Where the indexer is and how long the filter waits for it (spec §7).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixIndexConfig {
+    /// The indexer's Envoy cluster (`render` emits it from `url`).
+    #[serde(default = "defaults::indexer_cluster")]
+    pub cluster: String,
+    pub url: String,
+    /// A slower answer counts as unavailable.
+    #[serde(default = "defaults::indexer_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Callouts in flight per Envoy; beyond it a request does not wait, it is unavailable.
+    #[serde(default = "defaults::indexer_max_concurrent")]
+    pub max_concurrent: u64,
+    /// The indexer's key granularity in tokens.
+    #[serde(default = "defaults::block_tokens")]
+    pub block_tokens: u64,
+    /// The header carrying `token` on the filter's routed notices (the indexer's only write path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_header: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -46,6 +73,13 @@ pub struct WorkerConfig {
     pub cluster: Option<String>,
     #[serde(default = "defaults::dp_size")]
     pub dp_size: u32,
+    /// The engine's KV-event ZeroMQ PUB endpoint (`tcp://HOST:PORT`); rank r publishes on PORT + r.
+    /// Only the indexer reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// The engine's replay ROUTER endpoint, for repairing gaps in the event sequence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
 }
 
 impl WorkerConfig {
@@ -234,6 +268,12 @@ pub struct ModelConfig {
     pub session_idle_ms: u64,
     #[serde(default = "defaults::idle_ms")]
     pub sticky_idle_ms: u64,
+    /// A Hugging Face `tokenizer.json`; only the indexer reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// A Jinja chat template file, or a `tokenizer_config.json` with a `chat_template`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
     pub buckets: Vec<BucketConfig>,
 }
 
@@ -364,12 +404,24 @@ pub struct AdmissionLimits {
     pub max_inflight_requests: Option<u64>,
 }
 
+/// Where a cache-aware policy learns what engines hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheSourceKind {
+    #[default]
+    Local,
+    Remote,
+}
+
 /// Cache-aware knobs kept by design §7, with its defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheAwareConfig {
     #[serde(default)]
     pub admission: AdmissionLimits,
+    /// `local`: the in-proxy tree of past decisions; `remote`: the indexer's precise view.
+    #[serde(default)]
+    pub source: CacheSourceKind,
     /// Minimum matched prefix, in tokens, for a hit to count.
     #[serde(default = "defaults::min_hit_tokens")]
     pub min_hit_tokens: u64,
@@ -406,6 +458,7 @@ impl Default for CacheAwareConfig {
     fn default() -> Self {
         Self {
             admission: AdmissionLimits::default(),
+            source: CacheSourceKind::Local,
             min_hit_tokens: defaults::min_hit_tokens(),
             min_hit_ratio: None,
             min_candidates: defaults::min_candidates(),
@@ -440,6 +493,18 @@ pub(crate) mod defaults {
     }
     pub fn dp_size() -> u32 {
         1
+    }
+    pub fn indexer_cluster() -> String {
+        "sgl_indexer".to_string()
+    }
+    pub fn indexer_timeout_ms() -> u64 {
+        50
+    }
+    pub fn indexer_max_concurrent() -> u64 {
+        64
+    }
+    pub fn block_tokens() -> u64 {
+        16
     }
     pub fn load_interval_ms() -> u64 {
         250

@@ -3,7 +3,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{AdmissionLimits, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, RouterConfig};
+use super::{
+    AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, RouterConfig,
+};
 use crate::registry::EngineAddress;
 use crate::registry::Role;
 
@@ -11,6 +13,7 @@ pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
     let mut errors = Vec::new();
     let workers = validate_workers(config, &mut errors);
     validate_sections(config, &mut errors);
+    validate_prefix_index(config, &mut errors);
     validate_models(config, &workers, &mut errors);
     errors
 }
@@ -78,6 +81,60 @@ fn validate_model_roles(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
                 format!("model `{model}` mixes plain and prefill/decode engines (workers[{plain}] and workers[{pd}])"),
             ));
         }
+    }
+}
+
+/// Spec §7: the indexer's address, limits and token, and every worker's event endpoints.
+fn validate_prefix_index(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
+    for (i, w) in config.workers.iter().enumerate() {
+        for (field, value) in [("kv_events", &w.kv_events), ("kv_events_replay", &w.kv_events_replay)] {
+            if let Some(endpoint) = value {
+                if let Err(e) = tcp_endpoint(endpoint) {
+                    errors.push(ConfigError::new(format!("workers[{i}].{field}"), e));
+                }
+            }
+        }
+        if w.kv_events_replay.is_some() && w.kv_events.is_none() {
+            errors.push(ConfigError::new(
+                format!("workers[{i}].kv_events_replay"),
+                "a replay endpoint repairs the event stream of `kv_events`, which is not set",
+            ));
+        }
+    }
+    let Some(index) = &config.prefix_index else { return };
+    if let Err(e) = EngineAddress::parse(&index.url) {
+        errors.push(ConfigError::new("prefix_index.url", e.to_string()));
+    }
+    if !is_cluster_name(&index.cluster) {
+        errors.push(ConfigError::new(
+            "prefix_index.cluster",
+            format!("`{}` is not a usable Envoy cluster name (letters, digits, `_`, `-`, `.`)", index.cluster),
+        ));
+    } else if config.workers.iter().any(|w| w.cluster_name() == index.cluster) {
+        errors.push(ConfigError::new(
+            "prefix_index.cluster",
+            format!("`{}` is already a worker's cluster", index.cluster),
+        ));
+    }
+    positive(errors, "prefix_index.timeout_ms", index.timeout_ms);
+    positive(errors, "prefix_index.max_concurrent", index.max_concurrent);
+    positive(errors, "prefix_index.block_tokens", index.block_tokens);
+    match (&index.token_header, &index.token) {
+        (Some(h), Some(_)) if !is_header_name(h) => errors
+            .push(ConfigError::new("prefix_index.token_header", format!("`{h}` is not a lowercase HTTP header name"))),
+        (Some(_), None) => errors.push(ConfigError::new("prefix_index.token", "token_header needs a token")),
+        (None, Some(_)) => errors.push(ConfigError::new("prefix_index.token_header", "token needs a token_header")),
+        _ => {}
+    }
+}
+
+/// `tcp://HOST:PORT`, the form SGLang's publisher is reached at.
+fn tcp_endpoint(endpoint: &str) -> Result<(), String> {
+    let rest =
+        endpoint.strip_prefix("tcp://").ok_or_else(|| format!("`{endpoint}` is not a tcp://HOST:PORT endpoint"))?;
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => Ok(()),
+        _ => Err(format!("`{endpoint}` is not a tcp://HOST:PORT endpoint")),
     }
 }
 
@@ -263,6 +320,12 @@ impl GroupCheck<'_, '_> {
                 self.errors.push(ConfigError::new(format!("{path}.min_load_choices"), "must be at least 1"));
             }
             positive(self.errors, &format!("{path}.max_tree_tokens"), c.max_tree_tokens);
+            if c.source == CacheSourceKind::Remote && self.config.prefix_index.is_none() {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.source"),
+                    "`remote` matches on the indexer's answer: configure `prefix_index`",
+                ));
+            }
         }
         self.check_admission(&format!("{path}.admission"), policy.admission());
     }

@@ -1,0 +1,535 @@
+//! The precise prefix index: which engine (and data-parallel rank, and medium) holds which block of
+//! tokens, as its own KV events say.
+//!
+//! Keys are the indexer's own, never the engines': a chain over `block_tokens`-token blocks, seeded
+//! by the request's namespace (LoRA adapter and cache salt), so a salted request only meets blocks
+//! stored with its salt, and engines with different page sizes or hash schemes key alike. Small
+//! pages (SGLang's page size 1: one event per token) are accumulated: each engine page remembers
+//! the chain state after it, so a child page continues where its parent left off, and the page that
+//! completes a block is the one whose removal removes the block's holder. Engine hashes are used
+//! only to find those pages again.
+//!
+//! Memory is bounded by `max_pages` engine pages in all; past it, the oldest pages of the engine
+//! holding the most go first. A page costs about 100 bytes with its share of the holder table.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::events::{EngineHash, KvEvent, Medium, StoredBlocks};
+
+/// The running hash of a chain at a page boundary: the blocks before it, and the tokens of the
+/// block being filled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chain {
+    state: u64,
+    filled: u32,
+}
+
+fn mix(mut x: u64) -> u64 {
+    // splitmix64's finalizer: every input bit moves every output bit.
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn fnv(bytes: &[u8], seed: u64) -> u64 {
+    bytes.iter().fold(seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+}
+
+impl Chain {
+    /// The start of a chain in a namespace. Length-prefixed parts: no LoRA name and salt can pose
+    /// as another pair.
+    pub fn root(lora: Option<&str>, salt: Option<&str>) -> Self {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for part in [lora, salt] {
+            let part = part.unwrap_or("");
+            h = fnv(&(part.len() as u64).to_le_bytes(), h);
+            h = fnv(part.as_bytes(), h);
+        }
+        Chain { state: mix(h), filled: 0 }
+    }
+
+    /// Feeds `tokens`; `on_block` gets each key completed on the way.
+    pub fn extend(mut self, tokens: &[u32], block_tokens: u32, mut on_block: impl FnMut(u64)) -> Self {
+        for t in tokens {
+            self.state = mix(self.state ^ (u64::from(*t) | 1 << 40));
+            self.filled += 1;
+            if self.filled == block_tokens {
+                let key = mix(self.state ^ 0x9e37_79b9_7f4a_7c15);
+                on_block(key);
+                self = Chain { state: key, filled: 0 };
+            }
+        }
+        self
+    }
+}
+
+/// The keys of every full block of `tokens` in a namespace.
+pub fn block_keys(tokens: &[u32], block_tokens: u32, lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
+    let mut keys = Vec::with_capacity(tokens.len() / block_tokens.max(1) as usize);
+    Chain::root(lora, salt).extend(tokens, block_tokens.max(1), |k| keys.push(k));
+    keys
+}
+
+/// One engine page: the chain state after it (`None` when its parent was never seen, so nothing
+/// after it can be keyed) and the blocks it completed.
+#[derive(Debug, Clone)]
+struct Page {
+    after: Option<Chain>,
+    completes: Vec<u64>,
+}
+
+/// The pages one engine rank published, in arrival order for eviction.
+#[derive(Debug, Default)]
+struct Source {
+    pages: HashMap<(EngineHash, Medium), Page>,
+    order: VecDeque<(EngineHash, Medium)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    engine: u32,
+    rank: u32,
+    medium: Medium,
+}
+
+/// What one engine holds of a query's prefix, in tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineMatch {
+    /// Longest prefix held in any medium, or routed there moments ago (speculative).
+    pub matched_tokens: u64,
+    /// Longest prefix its own events confirm, in any medium.
+    pub confirmed_tokens: u64,
+    /// Longest prefix held in each medium.
+    pub by_medium: Vec<(Medium, u64)>,
+}
+
+#[derive(Debug)]
+pub struct Index {
+    block_tokens: u32,
+    max_pages: usize,
+    engines: Vec<String>,
+    engine_ids: HashMap<String, u32>,
+    sources: HashMap<(u32, u32), Source>,
+    holders: HashMap<u64, Vec<Holder>>,
+    /// Blocks a router just sent to an engine, before the engine's own event: key → (engine, until).
+    speculative: HashMap<u64, Vec<(u32, u64)>>,
+    pages: usize,
+    pub counters: Counters,
+}
+
+/// Since start, for `/metrics`.
+#[derive(Debug, Default, Clone)]
+pub struct Counters {
+    pub events: u64,
+    pub orphan_pages: u64,
+    pub evicted_pages: u64,
+    pub speculative_added: u64,
+}
+
+impl Index {
+    pub fn new(block_tokens: u32, max_pages: usize) -> Self {
+        Self {
+            block_tokens: block_tokens.max(1),
+            max_pages: max_pages.max(1),
+            engines: Vec::new(),
+            engine_ids: HashMap::new(),
+            sources: HashMap::new(),
+            holders: HashMap::new(),
+            speculative: HashMap::new(),
+            pages: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+
+    fn engine_id(&mut self, engine: &str) -> u32 {
+        if let Some(id) = self.engine_ids.get(engine) {
+            return *id;
+        }
+        let id = self.engines.len() as u32;
+        self.engines.push(engine.to_string());
+        self.engine_ids.insert(engine.to_string(), id);
+        id
+    }
+
+    /// Applies one engine rank's event.
+    pub fn apply(&mut self, engine: &str, rank: u32, event: &KvEvent) {
+        self.counters.events += 1;
+        let e = self.engine_id(engine);
+        match event {
+            KvEvent::Stored(stored) => self.store(e, rank, stored),
+            KvEvent::Removed { block_hashes, medium } => {
+                for h in block_hashes {
+                    self.remove_page(e, rank, (*h, *medium));
+                }
+            }
+            KvEvent::AllCleared => self.clear(engine, Some(rank)),
+        }
+    }
+
+    fn store(&mut self, e: u32, rank: u32, stored: &StoredBlocks) {
+        let block_tokens = self.block_tokens;
+        let source = self.sources.entry((e, rank)).or_default();
+        let mut chain = match stored.parent {
+            None => Some(Chain::root(stored.lora.as_deref(), stored.cache_salt.as_deref())),
+            Some(parent) => Medium::ALL.iter().find_map(|m| source.pages.get(&(parent, *m))).and_then(|p| p.after),
+        };
+        let holder = Holder { engine: e, rank, medium: stored.medium };
+        let mut added = 0usize;
+        for (i, hash) in stored.block_hashes.iter().enumerate() {
+            let tokens = stored.token_ids.get(i * stored.block_size..(i + 1) * stored.block_size).unwrap_or_default();
+            let mut completes = Vec::new();
+            chain = chain.map(|c| c.extend(tokens, block_tokens, |k| completes.push(k)));
+            if chain.is_none() {
+                self.counters.orphan_pages += 1;
+            }
+            for key in &completes {
+                let hs = self.holders.entry(*key).or_default();
+                if !hs.contains(&holder) {
+                    hs.push(holder);
+                }
+                // The engine's own event confirms what was routed to it.
+                if let Some(spec) = self.speculative.get_mut(key) {
+                    spec.retain(|(engine, _)| *engine != e);
+                    if spec.is_empty() {
+                        self.speculative.remove(key);
+                    }
+                }
+            }
+            let id = (*hash, stored.medium);
+            if source.pages.insert(id, Page { after: chain, completes }).is_none() {
+                source.order.push_back(id);
+                added += 1;
+            }
+        }
+        self.pages += added;
+        while self.pages > self.max_pages {
+            if !self.evict_one() {
+                break;
+            }
+        }
+    }
+
+    /// Drops the oldest page of the engine rank holding the most pages.
+    fn evict_one(&mut self) -> bool {
+        let Some((&(e, rank), _)) = self.sources.iter().max_by_key(|(_, s)| s.pages.len()) else {
+            return false;
+        };
+        let oldest = self.sources.get_mut(&(e, rank)).and_then(|s| {
+            while let Some(id) = s.order.pop_front() {
+                if s.pages.contains_key(&id) {
+                    return Some(id);
+                }
+            }
+            None
+        });
+        match oldest {
+            Some(id) => {
+                self.counters.evicted_pages += 1;
+                self.remove_page(e, rank, id)
+            }
+            None => false,
+        }
+    }
+
+    fn remove_page(&mut self, e: u32, rank: u32, id: (EngineHash, Medium)) -> bool {
+        let Some(page) = self.sources.get_mut(&(e, rank)).and_then(|s| s.pages.remove(&id)) else {
+            return false;
+        };
+        self.pages -= 1;
+        let holder = Holder { engine: e, rank, medium: id.1 };
+        for key in page.completes {
+            if let Some(hs) = self.holders.get_mut(&key) {
+                hs.retain(|h| *h != holder);
+                if hs.is_empty() {
+                    self.holders.remove(&key);
+                }
+            }
+        }
+        true
+    }
+
+    /// Forgets what an engine holds: every rank (`None`: a restart or the engine left), or one
+    /// rank (its `AllBlocksCleared`, or its publisher restarted).
+    pub fn clear(&mut self, engine: &str, rank: Option<u32>) {
+        let Some(&e) = self.engine_ids.get(engine) else { return };
+        let ranks: Vec<(u32, u32)> =
+            self.sources.keys().filter(|(se, sr)| *se == e && rank.is_none_or(|r| r == *sr)).copied().collect();
+        for key in ranks {
+            if let Some(source) = self.sources.remove(&key) {
+                self.pages -= source.pages.len();
+                let completed: Vec<(u64, Medium)> =
+                    source.pages.iter().flat_map(|((_, m), p)| p.completes.iter().map(move |k| (*k, *m))).collect();
+                for (k, medium) in completed {
+                    let holder = Holder { engine: key.0, rank: key.1, medium };
+                    if let Some(hs) = self.holders.get_mut(&k) {
+                        hs.retain(|h| *h != holder);
+                        if hs.is_empty() {
+                            self.holders.remove(&k);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A router sent these blocks to `engine`: it will hold them as soon as it prefilled, before
+    /// its event says so. Held until `until_ms` unless the engine's own event confirms them.
+    pub fn add_speculative(&mut self, engine: &str, keys: &[u64], until_ms: u64) {
+        let e = self.engine_id(engine);
+        for key in keys {
+            let entry = self.speculative.entry(*key).or_default();
+            match entry.iter_mut().find(|(x, _)| *x == e) {
+                Some(slot) => slot.1 = until_ms,
+                None => {
+                    entry.push((e, until_ms));
+                    self.counters.speculative_added += 1;
+                }
+            }
+        }
+    }
+
+    /// Drops speculative entries past their time.
+    pub fn expire_speculative(&mut self, now_ms: u64) {
+        self.speculative.retain(|_, v| {
+            v.retain(|(_, until)| *until > now_ms);
+            !v.is_empty()
+        });
+    }
+
+    /// What every engine holds of the prefix these keys spell, longest first per engine.
+    pub fn match_keys(&self, keys: &[u64], now_ms: u64) -> Vec<(String, EngineMatch)> {
+        let n = self.engines.len();
+        let block = u64::from(self.block_tokens);
+        let mut any = vec![true; n];
+        let mut confirmed = vec![true; n];
+        let mut medium = vec![[true; 4]; n];
+        let mut out: Vec<EngineMatch> = vec![EngineMatch::default(); n];
+        let mut per_medium = vec![[0u64; 4]; n];
+        for key in keys {
+            let holders = self.holders.get(key).map(Vec::as_slice).unwrap_or_default();
+            let spec = self.speculative.get(key).map(Vec::as_slice).unwrap_or_default();
+            let mut still = false;
+            for e in 0..n {
+                let e32 = e as u32;
+                let held: Vec<Medium> = holders.iter().filter(|h| h.engine == e32).map(|h| h.medium).collect();
+                let routed = spec.iter().any(|(x, until)| *x == e32 && *until > now_ms);
+                if confirmed[e] {
+                    confirmed[e] = !held.is_empty();
+                    if confirmed[e] {
+                        out[e].confirmed_tokens += block;
+                    }
+                }
+                if any[e] {
+                    any[e] = !held.is_empty() || routed;
+                    if any[e] {
+                        out[e].matched_tokens += block;
+                    }
+                }
+                for (i, m) in Medium::ALL.iter().enumerate() {
+                    if medium[e][i] {
+                        medium[e][i] = held.contains(m);
+                        if medium[e][i] {
+                            per_medium[e][i] += block;
+                        }
+                    }
+                }
+                still |= any[e];
+            }
+            if !still {
+                break;
+            }
+        }
+        let mut result: Vec<(String, EngineMatch)> = out
+            .into_iter()
+            .enumerate()
+            .filter(|(_, m)| m.matched_tokens > 0)
+            .map(|(e, mut m)| {
+                m.by_medium = Medium::ALL.iter().zip(per_medium[e]).map(|(m, t)| (*m, t)).collect();
+                (self.engines[e].clone(), m)
+            })
+            .collect();
+        result.sort_by(|a, b| b.1.matched_tokens.cmp(&a.1.matched_tokens).then_with(|| a.0.cmp(&b.0)));
+        result
+    }
+
+    /// Engine pages held per engine (every rank and medium), for the blocks-per-engine gauge.
+    pub fn pages_per_engine(&self) -> Vec<(String, usize)> {
+        let mut counts = vec![0usize; self.engines.len()];
+        for ((e, _), s) in &self.sources {
+            counts[*e as usize] += s.pages.len();
+        }
+        self.engines.iter().cloned().zip(counts).collect()
+    }
+
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    pub fn distinct_blocks(&self) -> usize {
+        self.holders.len()
+    }
+
+    pub fn speculative_blocks(&self) -> usize {
+        self.speculative.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: usize) -> KvEvent {
+        KvEvent::Stored(StoredBlocks {
+            block_hashes: hashes.to_vec(),
+            parent,
+            token_ids: tokens.to_vec(),
+            block_size,
+            lora: None,
+            medium: Medium::Gpu,
+            cache_salt: None,
+        })
+    }
+
+    fn tokens(n: u32) -> Vec<u32> {
+        (100..100 + n).collect()
+    }
+
+    fn matched(index: &Index, query: &[u32]) -> Vec<(String, u64)> {
+        let keys = block_keys(query, index.block_tokens(), None, None);
+        index.match_keys(&keys, 0).into_iter().map(|(e, m)| (e, m.matched_tokens)).collect()
+    }
+
+    #[test]
+    fn pages_of_one_token_accumulate_into_blocks() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(10);
+        // SGLang with page size 1: one event per token, each the child of the previous.
+        for (i, tok) in t.iter().enumerate() {
+            let parent = (i > 0).then_some(i as u64);
+            index.apply("B", 0, &stored(&[i as u64 + 1], parent, &[*tok], 1));
+        }
+        assert_eq!(matched(&index, &t), [("B".to_string(), 8)], "two full blocks of 4; the 2 left over do not count");
+        assert_eq!(matched(&index, &tokens(6)), [("B".to_string(), 4)]);
+        let mut other = t.clone();
+        other[1] = 7;
+        assert!(matched(&index, &other).is_empty(), "a different first block matches nothing");
+    }
+
+    #[test]
+    fn engines_with_different_page_sizes_key_alike() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(16);
+        index.apply("A", 0, &stored(&[1, 2], None, &t, 8));
+        index.apply("B", 0, &stored(&[1, 2, 3, 4, 5, 6, 7, 8], None, &t, 2));
+        assert_eq!(matched(&index, &t), [("A".to_string(), 16), ("B".to_string(), 16)]);
+    }
+
+    #[test]
+    fn removing_the_page_that_completed_a_block_removes_that_block_and_what_follows() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(12);
+        index.apply("B", 0, &stored(&[1, 2, 3], None, &t, 4));
+        index.apply("B", 0, &KvEvent::Removed { block_hashes: vec![3], medium: Medium::Gpu });
+        assert_eq!(matched(&index, &t), [("B".to_string(), 8)]);
+        index.apply("B", 0, &KvEvent::Removed { block_hashes: vec![1], medium: Medium::Gpu });
+        assert!(matched(&index, &t).is_empty(), "the first block is gone, so no prefix is held");
+        assert_eq!(index.pages(), 1);
+        index.apply("B", 0, &KvEvent::AllCleared);
+        assert_eq!((index.pages(), index.distinct_blocks()), (0, 0));
+    }
+
+    #[test]
+    fn salt_and_lora_namespace_the_keys() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(8);
+        let mut salted = StoredBlocks {
+            block_hashes: vec![1, 2],
+            parent: None,
+            token_ids: t.clone(),
+            block_size: 4,
+            lora: None,
+            medium: Medium::Gpu,
+            cache_salt: Some("tenant-a".into()),
+        };
+        index.apply("A", 0, &KvEvent::Stored(salted.clone()));
+        salted.cache_salt = None;
+        salted.lora = Some("sql".into());
+        index.apply("L", 0, &KvEvent::Stored(salted));
+        assert!(matched(&index, &t).is_empty(), "an unsalted, adapter-less request matches neither");
+        let keys = block_keys(&t, 4, None, Some("tenant-a"));
+        assert_eq!(index.match_keys(&keys, 0)[0].0, "A");
+        let keys = block_keys(&t, 4, Some("sql"), None);
+        assert_eq!(index.match_keys(&keys, 0)[0].0, "L");
+        assert!(index.match_keys(&block_keys(&t, 4, None, Some("tenant-b")), 0).is_empty());
+    }
+
+    #[test]
+    fn media_and_ranks_are_held_apart() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(8);
+        index.apply("A", 0, &stored(&[1, 2], None, &t, 4));
+        let mut cpu = StoredBlocks {
+            block_hashes: vec![1, 2],
+            parent: None,
+            token_ids: t.clone(),
+            block_size: 4,
+            lora: None,
+            medium: Medium::CpuPinned,
+            cache_salt: None,
+        };
+        index.apply("B", 1, &KvEvent::Stored(cpu.clone()));
+        let m = index.match_keys(&block_keys(&t, 4, None, None), 0);
+        let b = &m.iter().find(|(e, _)| e == "B").unwrap().1;
+        assert!(b.by_medium.contains(&(Medium::CpuPinned, 8)) && b.by_medium.contains(&(Medium::Gpu, 0)));
+        // GPU eviction of A's copy leaves B's CPU copy.
+        index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![1], medium: Medium::Gpu });
+        assert_eq!(matched(&index, &t), [("B".to_string(), 8)]);
+        cpu.medium = Medium::Gpu;
+        index.apply("B", 0, &KvEvent::Stored(cpu));
+        index.clear("B", Some(1));
+        assert_eq!(matched(&index, &t), [("B".to_string(), 8)], "rank 0's copy stays when rank 1 clears");
+    }
+
+    #[test]
+    fn a_page_whose_parent_was_never_seen_is_kept_for_removal_but_keys_nothing() {
+        let mut index = Index::new(2, 1000);
+        index.apply("A", 0, &stored(&[5], Some(999), &[1, 2], 2));
+        assert_eq!((index.pages(), index.distinct_blocks(), index.counters.orphan_pages), (1, 0, 1));
+        index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![5], medium: Medium::Gpu });
+        assert_eq!(index.pages(), 0);
+    }
+
+    #[test]
+    fn memory_stays_within_its_page_budget() {
+        let mut index = Index::new(4, 64);
+        for engine in ["A", "B"] {
+            for i in 0..100u32 {
+                let t: Vec<u32> = (i * 4..i * 4 + 4).collect();
+                index.apply(engine, 0, &stored(&[u64::from(i)], None, &t, 4));
+            }
+        }
+        assert!(index.pages() <= 64);
+        assert!(index.counters.evicted_pages >= 136);
+        let recent: Vec<u32> = (396..400).collect();
+        assert_eq!(matched(&index, &recent).len(), 2, "the newest pages survive");
+    }
+
+    #[test]
+    fn speculative_entries_count_until_confirmed_or_expired() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(8);
+        let keys = block_keys(&t, 4, None, None);
+        index.add_speculative("B", &keys, 2_000);
+        let m = index.match_keys(&keys, 1_000);
+        assert_eq!((m[0].0.as_str(), m[0].1.matched_tokens, m[0].1.confirmed_tokens), ("B", 8, 0));
+        assert!(index.match_keys(&keys, 2_000).is_empty(), "expired");
+        index.apply("B", 0, &stored(&[1, 2], None, &t, 4));
+        assert_eq!(index.speculative_blocks(), 0, "the engine's event confirmed them");
+        let m = index.match_keys(&keys, 0);
+        assert_eq!((m[0].1.matched_tokens, m[0].1.confirmed_tokens), (8, 8));
+    }
+}

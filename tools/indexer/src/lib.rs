@@ -1,0 +1,17 @@
+//! sgl-indexer: the precise prefix index of spec §7. Engines publish KV events over ZeroMQ
+//! (`subscriber`), decoded from SGLang's and vLLM's wire formats (`events`) into one index per
+//! model keyed by the indexer's own chained block keys (`index`); chat bodies are rendered with the
+//! model's chat template and tokenized as the engine does (`tokenize`); `http` answers the filter
+//! and anyone else. `state` holds what they share.
+//!
+//! Glossary: an engine *page* is what one of its events names (one block hash); a *block* is the
+//! indexer's `block_tokens`-token unit of matching; a *holder* is an engine rank and medium that
+//! holds a block; *speculative* entries are blocks a router just sent to an engine, counted until
+//! the engine's own event confirms them or they expire.
+
+pub mod events;
+pub mod http;
+pub mod index;
+pub mod state;
+pub mod subscriber;
+pub mod tokenize;

@@ -1,0 +1,240 @@
+//! The indexer's shared state: one index per model (tokens of different models never meet), which
+//! model each worker serves, the counters `/metrics` shows, and the recent match handles a router's
+//! "routed" notice refers to.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sgl_envoy_router::config::RouterConfig;
+
+use crate::events::EventBatch;
+use crate::index::{block_keys, EngineMatch, Index};
+use crate::tokenize::{ModelTokenizer, TokenizeError};
+
+/// Engine pages the indexer keeps in all models together (about 100 bytes each).
+pub const DEFAULT_MAX_PAGES: usize = 8 << 20;
+/// How long a routed notice's blocks count for their engine before its own event confirms them.
+pub const SPECULATIVE_TTL_MS: u64 = 2_000;
+/// Match handles kept for routed notices.
+const HANDLES: usize = 4096;
+/// Blocks one routed notice may add.
+pub const MAX_ROUTED_BLOCKS: usize = 1 << 14;
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub subscriptions: AtomicU64,
+    pub subscribed: AtomicU64,
+    pub batches: AtomicU64,
+    pub malformed: AtomicU64,
+    pub gaps: AtomicU64,
+    pub replayed: AtomicU64,
+    pub unrepaired: AtomicU64,
+    pub restarts: AtomicU64,
+    pub queries: AtomicU64,
+    pub bad_queries: AtomicU64,
+    pub hits_confirmed: AtomicU64,
+    pub hits_speculative: AtomicU64,
+    pub misses: AtomicU64,
+    pub routed_notices: AtomicU64,
+    pub routed_refused: AtomicU64,
+}
+
+macro_rules! counter {
+    ($($name:ident => $field:ident),* $(,)?) => {
+        impl Stats {
+            $(pub fn $name(&self, n: u64) {
+                self.$field.fetch_add(n, Ordering::Relaxed);
+            })*
+        }
+    };
+}
+
+counter!(subscribed => subscribed, malformed => malformed, gaps => gaps, replayed => replayed,
+         unrepaired => unrepaired, restarts => restarts);
+
+pub struct App {
+    pub block_tokens: u32,
+    indexes: Mutex<HashMap<String, Index>>,
+    worker_model: HashMap<String, String>,
+    handles: Mutex<VecDeque<(u64, String, Vec<u64>)>>,
+    tokenizers: HashMap<String, ModelTokenizer>,
+    next_handle: AtomicU64,
+    pub stats: Stats,
+    pub config: RouterConfig,
+}
+
+impl App {
+    /// Loads every configured tokenizer and chat template; a model whose files do not load is a
+    /// startup error, never a request-time one.
+    pub fn load(config: RouterConfig, max_pages: usize) -> Result<Self, TokenizeError> {
+        let mut tokenizers = HashMap::new();
+        for (name, model) in &config.models {
+            let Some(tokenizer) = &model.tokenizer else { continue };
+            let tokenizer = std::path::Path::new(tokenizer);
+            let template = match &model.chat_template {
+                Some(t) => std::path::PathBuf::from(t),
+                None => tokenizer.with_file_name("tokenizer_config.json"),
+            };
+            let loaded = ModelTokenizer::load(tokenizer, &template)
+                .map_err(|e| TokenizeError::Load(format!("models.{name}: {e}")))?;
+            tokenizers.insert(name.clone(), loaded);
+        }
+        let mut app = Self::new(config, max_pages);
+        app.tokenizers = tokenizers;
+        Ok(app)
+    }
+
+    /// The chat body as the engine will tokenize it.
+    pub fn tokenize_chat(&self, model: &str, chat: &serde_json::Value) -> Result<Vec<u32>, TokenizeError> {
+        if !self.serves(model) {
+            return Err(TokenizeError::UnknownModel(model.to_string()));
+        }
+        self.tokenizers.get(model).ok_or_else(|| TokenizeError::NoTokenizer(model.to_string()))?.tokenize_chat(chat)
+    }
+
+    pub fn new(config: RouterConfig, max_pages: usize) -> Self {
+        let block_tokens = config.prefix_index.as_ref().map_or(16, |p| p.block_tokens).clamp(1, 1 << 16) as u32;
+        let per_model = max_pages / config.models.len().max(1);
+        let indexes = config.models.keys().map(|m| (m.clone(), Index::new(block_tokens, per_model))).collect();
+        let worker_model = config.workers.iter().map(|w| (w.id.clone(), w.model.clone())).collect();
+        Self {
+            block_tokens,
+            indexes: Mutex::new(indexes),
+            worker_model,
+            handles: Mutex::new(VecDeque::new()),
+            tokenizers: HashMap::new(),
+            next_handle: AtomicU64::new(now_ms() << 16),
+            stats: Stats::default(),
+            config,
+        }
+    }
+
+    fn with_index<R>(&self, model: &str, f: impl FnOnce(&mut Index) -> R) -> Option<R> {
+        let mut indexes = self.indexes.lock().ok()?;
+        indexes.get_mut(model).map(f)
+    }
+
+    /// Applies one rank's batch to its worker's model.
+    pub fn apply(&self, worker: &str, rank: u32, batch: &EventBatch) {
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        let Some(model) = self.worker_model.get(worker) else { return };
+        self.with_index(model, |index| {
+            for event in &batch.events {
+                index.apply(worker, rank, event);
+            }
+        });
+    }
+
+    pub fn clear(&self, worker: &str, rank: Option<u32>) {
+        if let Some(model) = self.worker_model.get(worker) {
+            self.with_index(model, |index| index.clear(worker, rank));
+        }
+    }
+
+    pub fn serves(&self, model: &str) -> bool {
+        self.config.models.contains_key(model)
+    }
+
+    pub fn worker_model(&self, worker: &str) -> Option<&str> {
+        self.worker_model.get(worker).map(String::as_str)
+    }
+
+    /// Matches `tokens` in `model`'s namespace; returns every engine's match and a handle a routed
+    /// notice can name.
+    pub fn match_tokens(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> Option<(Vec<(String, EngineMatch)>, u64)> {
+        self.stats.queries.fetch_add(1, Ordering::Relaxed);
+        let keys = block_keys(tokens, self.block_tokens, lora, salt);
+        let now = now_ms();
+        let matches = self.with_index(model, |index| {
+            index.expire_speculative(now);
+            index.match_keys(&keys, now)
+        })?;
+        match matches.first() {
+            None => self.stats.misses.fetch_add(1, Ordering::Relaxed),
+            Some((_, m)) if m.confirmed_tokens >= m.matched_tokens => {
+                self.stats.hits_confirmed.fetch_add(1, Ordering::Relaxed)
+            }
+            Some(_) => self.stats.hits_speculative.fetch_add(1, Ordering::Relaxed),
+        };
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut handles) = self.handles.lock() {
+            handles.push_back((handle, model.to_string(), keys));
+            while handles.len() > HANDLES {
+                handles.pop_front();
+            }
+        }
+        Some((matches, handle))
+    }
+
+    /// A router sent the request behind `handle` to `worker`. `false` when the handle is unknown
+    /// (expired) or the worker does not serve that model.
+    pub fn routed(&self, handle: u64, worker: &str) -> bool {
+        let found = self.handles.lock().ok().and_then(|h| {
+            h.iter().find(|(id, _, _)| *id == handle).map(|(_, model, keys)| (model.clone(), keys.clone()))
+        });
+        let Some((model, mut keys)) = found else { return false };
+        if self.worker_model(worker) != Some(model.as_str()) {
+            return false;
+        }
+        keys.truncate(MAX_ROUTED_BLOCKS);
+        let until = now_ms() + SPECULATIVE_TTL_MS;
+        self.stats.routed_notices.fetch_add(1, Ordering::Relaxed);
+        self.with_index(&model, |index| index.add_speculative(worker, &keys, until)).is_some()
+    }
+
+    /// Prometheus text.
+    pub fn metrics(&self) -> String {
+        let s = &self.stats;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let mut line = |name: &str, help: &str, kind: &str, value: u64| {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
+        };
+        line("sgl_indexer_subscriptions", "engine ranks configured to publish events", "gauge", load(&s.subscriptions));
+        line("sgl_indexer_subscribed", "engine ranks subscribed at least once", "gauge", load(&s.subscribed));
+        line("sgl_indexer_batches_total", "event batches applied", "counter", load(&s.batches));
+        line("sgl_indexer_malformed_total", "event frames dropped as malformed", "counter", load(&s.malformed));
+        line("sgl_indexer_gaps_total", "sequence gaps seen", "counter", load(&s.gaps));
+        line("sgl_indexer_replayed_batches_total", "batches recovered from replay", "counter", load(&s.replayed));
+        line("sgl_indexer_unrepaired_gaps_total", "gaps that dropped a rank's entries", "counter", load(&s.unrepaired));
+        line("sgl_indexer_publisher_restarts_total", "publishers seen restarting", "counter", load(&s.restarts));
+        line("sgl_indexer_queries_total", "match queries", "counter", load(&s.queries));
+        line("sgl_indexer_bad_queries_total", "queries refused as malformed", "counter", load(&s.bad_queries));
+        line(
+            "sgl_indexer_hits_confirmed_total",
+            "queries whose best match the engine confirmed",
+            "counter",
+            load(&s.hits_confirmed),
+        );
+        line(
+            "sgl_indexer_hits_speculative_total",
+            "queries whose best match was only routed",
+            "counter",
+            load(&s.hits_speculative),
+        );
+        line("sgl_indexer_misses_total", "queries no engine matched", "counter", load(&s.misses));
+        line("sgl_indexer_routed_notices_total", "routed notices applied", "counter", load(&s.routed_notices));
+        line("sgl_indexer_routed_refused_total", "routed notices refused", "counter", load(&s.routed_refused));
+        out.push_str("# HELP sgl_indexer_blocks engine pages held, per engine\n# TYPE sgl_indexer_blocks gauge\n");
+        if let Ok(indexes) = self.indexes.lock() {
+            for index in indexes.values() {
+                for (engine, pages) in index.pages_per_engine() {
+                    out.push_str(&format!("sgl_indexer_blocks{{worker=\"{engine}\"}} {pages}\n"));
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,278 @@
+//! Tokenization as the engine does it (spec §7): the model's chat template rendered over `messages`
+//! and `tools` with the generation prompt, then the model's tokenizer.
+//!
+//! What repeats is not tokenized again. A Hugging Face tokenizer cuts its input at added (special)
+//! tokens first and encodes the pieces between them independently, and chat templates put special
+//! tokens between turns; so the rendered prompt is cut the same way here, each piece's ids are
+//! cached by its text, and a shared system prompt or an earlier turn costs a hash lookup.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use axum::http::StatusCode;
+use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+/// Pieces cached per model; past it the cache starts over (no per-piece bookkeeping on the hot
+/// path). Bounds memory to about this many pieces of prompt text and their ids.
+const CACHED_PIECES: usize = 65_536;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("model `{0}` has no tokenizer configured (models.{0}.tokenizer)")]
+    NoTokenizer(String),
+    #[error("model `{0}` is not configured")]
+    UnknownModel(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Load(String),
+}
+
+impl TokenizeError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            TokenizeError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            TokenizeError::Template(_) => StatusCode::BAD_REQUEST,
+            _ => StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
+}
+
+/// One model's tokenizer, chat template and piece cache.
+pub struct ModelTokenizer {
+    tokenizer: Tokenizer,
+    env: Environment<'static>,
+    /// Added tokens by their text, longest first, so a prompt is cut at the longest one.
+    specials: Vec<(String, u32)>,
+    bos: String,
+    eos: String,
+    cache: Mutex<HashMap<String, Vec<u32>>>,
+}
+
+/// A template's `raise_exception('...')`, as Hugging Face's renderer provides it.
+fn raise_exception(message: String) -> Result<String, JinjaError> {
+    Err(JinjaError::new(ErrorKind::InvalidOperation, message))
+}
+
+/// A `tokenizer_config.json` carries the template as `chat_template` (a string, or a list of named
+/// templates of which `default` is used); anything else is the template itself.
+fn read_template(path: &Path) -> Result<(String, Option<Value>), TokenizeError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| TokenizeError::Load(format!("cannot read chat template {}: {e}", path.display())))?;
+    if path.extension().is_some_and(|e| e == "json") {
+        let config: Value = serde_json::from_str(&text)
+            .map_err(|e| TokenizeError::Load(format!("{} is not JSON: {e}", path.display())))?;
+        let template = match config.get("chat_template") {
+            Some(Value::String(t)) => t.clone(),
+            Some(Value::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template").and_then(Value::as_str))
+                .map(str::to_string)
+                .ok_or_else(|| TokenizeError::Load(format!("{}: no `default` chat template", path.display())))?,
+            _ => return Err(TokenizeError::Load(format!("{}: no `chat_template`", path.display()))),
+        };
+        return Ok((template, Some(config)));
+    }
+    Ok((text, None))
+}
+
+fn token_text(config: Option<&Value>, name: &str) -> String {
+    match config.and_then(|c| c.get(name)) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default().to_string(),
+        _ => String::new(),
+    }
+}
+
+impl ModelTokenizer {
+    pub fn load(tokenizer: &Path, template: &Path) -> Result<Self, TokenizeError> {
+        let tok = Tokenizer::from_file(tokenizer)
+            .map_err(|e| TokenizeError::Load(format!("cannot load tokenizer {}: {e}", tokenizer.display())))?;
+        let (source, config) = read_template(template)?;
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned("chat", source)
+            .map_err(|e| TokenizeError::Load(format!("chat template {} does not parse: {e}", template.display())))?;
+        let mut specials: Vec<(String, u32)> = tok
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| (t.content, id))
+            .filter(|(c, _)| !c.is_empty())
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        Ok(Self {
+            tokenizer: tok,
+            env,
+            specials,
+            bos: token_text(config.as_ref(), "bos_token"),
+            eos: token_text(config.as_ref(), "eos_token"),
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The prompt the engine will see for this chat body.
+    pub fn render(&self, chat: &Value) -> Result<String, TokenizeError> {
+        let template = self.env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let messages = chat.get("messages").cloned().unwrap_or(Value::Array(vec![]));
+        let tools = chat.get("tools").cloned().unwrap_or(Value::Null);
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                tools => tools,
+                add_generation_prompt => true,
+                bos_token => self.bos.clone(),
+                eos_token => self.eos.clone(),
+            })
+            .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// `text` cut at added tokens: `(piece, Some(id))` for an added token, `(piece, None)` between.
+    fn pieces<'t>(&self, text: &'t str) -> Vec<(&'t str, Option<u32>)> {
+        let mut out = Vec::new();
+        let (mut start, mut i) = (0, 0);
+        let bytes = text.as_bytes();
+        while i < bytes.len() {
+            let found = self.specials.iter().find(|(s, _)| text[i..].starts_with(s.as_str()));
+            match found {
+                Some((s, id)) => {
+                    if start < i {
+                        out.push((&text[start..i], None));
+                    }
+                    out.push((&text[i..i + s.len()], Some(*id)));
+                    i += s.len();
+                    start = i;
+                }
+                None => i += text[i..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        if start < text.len() {
+            out.push((&text[start..], None));
+        }
+        out
+    }
+
+    /// Token ids of a rendered prompt, through the piece cache.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        for (piece, special) in self.pieces(text) {
+            if let Some(id) = special {
+                ids.push(id);
+                continue;
+            }
+            if let Some(cached) = self.cache.lock().ok().and_then(|c| c.get(piece).cloned()) {
+                ids.extend(cached);
+                continue;
+            }
+            let encoded = self
+                .tokenizer
+                .encode_fast(piece, false)
+                .map_err(|e| TokenizeError::Tokenizer(e.to_string()))?
+                .get_ids()
+                .to_vec();
+            if let Ok(mut cache) = self.cache.lock() {
+                if cache.len() >= CACHED_PIECES {
+                    cache.clear();
+                }
+                cache.insert(piece.to_string(), encoded.clone());
+            }
+            ids.extend(encoded);
+        }
+        Ok(ids)
+    }
+
+    /// The whole prompt tokenized at once, without the cache: what the cache must equal.
+    pub fn encode_uncached(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| TokenizeError::Tokenizer(e.to_string()))?
+            .get_ids()
+            .to_vec())
+    }
+
+    pub fn tokenize_chat(&self, chat: &Value) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(&self.render(chat)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn shipped() -> ModelTokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer");
+        ModelTokenizer::load(&dir.join("tokenizer.json"), &dir.join("tokenizer_config.json")).unwrap()
+    }
+
+    #[test]
+    fn the_chat_template_renders_chatml_with_the_generation_prompt() {
+        let t = shipped();
+        let chat = json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]},
+        ]});
+        assert_eq!(
+            t.render(&chat).unwrap(),
+            "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn tools_are_rendered_into_the_prompt() {
+        let t = shipped();
+        let chat = json!({"messages": [{"role": "user", "content": "weather?"}],
+                          "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]});
+        let text = t.render(&chat).unwrap();
+        assert!(text.contains("get_weather") && text.starts_with("<|im_start|>system\n# Tools"), "{text}");
+    }
+
+    #[test]
+    fn the_piece_cache_gives_exactly_what_a_whole_encode_gives() {
+        let t = shipped();
+        for chat in [
+            json!({"messages": [{"role": "system", "content": "the model router explains the cache"}, {"role": "user", "content": "please summarize 1234 documents"}]}),
+            json!({"messages": [{"role": "user", "content": "漢字 と 日本語 の 模型 缓存 请求"}, {"role": "assistant", "content": "東京 北京"}, {"role": "user", "content": "fn main() { let x = 1; }"}]}),
+            json!({"messages": [{"role": "user", "content": "<|im_end|> inside user text and trailing spaces   "}]}),
+        ] {
+            let text = t.render(&chat).unwrap();
+            let whole = t.encode_uncached(&text).unwrap();
+            assert_eq!(t.encode(&text).unwrap(), whole, "first, uncached pieces: {text:?}");
+            assert_eq!(t.encode(&text).unwrap(), whole, "second, from the cache");
+        }
+    }
+
+    #[test]
+    fn a_shared_system_prompt_is_tokenized_once() {
+        let t = shipped();
+        let system = "the engine keeps a prefix cache ".repeat(200);
+        for question in ["what is a bucket", "what is prefill"] {
+            let chat =
+                json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
+            t.tokenize_chat(&chat).unwrap();
+        }
+        let cache = t.cache.lock().unwrap();
+        let system_pieces = cache.keys().filter(|k| k.contains("prefix cache")).count();
+        assert_eq!(system_pieces, 1, "one cached piece for the shared system prompt");
+    }
+
+    #[test]
+    fn a_template_that_raises_is_a_template_error() {
+        let dir = std::env::temp_dir().join(format!("sgl-indexer-raise-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("t.jinja"), "{{ raise_exception('roles must alternate') }}").unwrap();
+        let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        let t = ModelTokenizer::load(&tok, &dir.join("t.jinja")).unwrap();
+        let err = t.render(&json!({"messages": []})).unwrap_err();
+        assert!(err.to_string().contains("roles must alternate"), "{err}");
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+    }
+}

@@ -1,0 +1,260 @@
+//! The indexer as a process against a publisher speaking SGLang's wire format over real ZeroMQ
+//! sockets (PUB for events, ROUTER for replay): late joining, gap repair, publisher restart,
+//! removal and clearing, and both query endpoints.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::VecDeque;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rmpv::Value as V;
+use serde_json::{json, Value};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn assets() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer")
+}
+
+struct Indexer(Child, u16);
+
+impl Drop for Indexer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Indexer {
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.1)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let mut r =
+            agent.post(&self.url(path)).header("content-type", "application/json").send(body.to_string()).unwrap();
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().unwrap_or_default();
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    fn matched(&self, tokens: &[u32]) -> u64 {
+        let (status, v) = self.post("/query", &json!({"model": "m", "token_ids": tokens}));
+        assert_eq!(status, 200, "{v}");
+        v["data"]["A"]["matched_tokens"].as_u64().unwrap_or(0)
+    }
+}
+
+fn start_indexer(events: u16, replay: u16) -> Indexer {
+    let dir = std::env::temp_dir().join(format!("sgl-indexer-test-{}-{events}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tok = assets();
+    let config = json!({
+        "workers": [{"id": "A", "url": "http://127.0.0.1:1", "model": "m",
+                     "kv_events": format!("tcp://127.0.0.1:{events}"),
+                     "kv_events_replay": format!("tcp://127.0.0.1:{replay}")}],
+        "prefix_index": {"url": "http://127.0.0.1:9", "block_tokens": 4},
+        "models": {"m": {"tokenizer": tok.join("tokenizer.json"), "chat_template": tok.join("tokenizer_config.json"),
+                         "buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}
+    });
+    let path = dir.join("router.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_sgl-indexer"))
+        .args(["--config", path.to_str().unwrap(), "--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let indexer = Indexer(child, port);
+    wait("the indexer's health", || ureq::get(&indexer.url("/health")).call().is_ok_and(|r| r.status() == 200));
+    indexer
+}
+
+fn wait(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn pack(v: &V) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, v).unwrap();
+    out
+}
+
+/// One BlockStored per page of one token, SGLang's default page size, chained by parent hash.
+fn stored_pages(first_hash: i64, parent: Option<i64>, tokens: &[u32]) -> Vec<V> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let hash = first_hash + i as i64;
+            let parent = if i == 0 { parent.map(V::from).unwrap_or(V::Nil) } else { V::from(hash - 1) };
+            V::Map(vec![
+                (V::from("type"), V::from("BlockStored")),
+                (V::from("block_hashes"), V::Array(vec![V::from(hash)])),
+                (V::from("parent_block_hash"), parent),
+                (V::from("token_ids"), V::Array(vec![V::from(*t)])),
+                (V::from("block_size"), V::from(1)),
+            ])
+        })
+        .collect()
+}
+
+fn batch(events: Vec<V>) -> Vec<u8> {
+    pack(&V::Array(vec![V::from(0.5), V::Array(events), V::from(0)]))
+}
+
+/// Past batches by sequence number, as the publisher's replay buffer keeps them.
+type ReplayBuffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
+
+/// A publisher as SGLang runs it: PUB for live batches, ROUTER answering replay requests from a
+/// buffer of past batches.
+struct Publisher {
+    rt: tokio::runtime::Runtime,
+    socket: PubSocket,
+    buffer: ReplayBuffer,
+}
+
+impl Publisher {
+    fn start(events: u16, replay: u16) -> Self {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let buffer: ReplayBuffer = Arc::default();
+        let socket = rt.block_on(async {
+            let mut s = PubSocket::new();
+            s.bind(&format!("tcp://127.0.0.1:{events}")).await.unwrap();
+            s
+        });
+        let replay_buffer = Arc::clone(&buffer);
+        rt.spawn(async move {
+            let mut router = RouterSocket::new();
+            router.bind(&format!("tcp://127.0.0.1:{replay}")).await.unwrap();
+            while let Ok(request) = router.recv().await {
+                let frames = request.into_vec();
+                let (id, start) = (frames[0].clone(), u64::from_be_bytes(frames[2][..8].try_into().unwrap()));
+                let past: Vec<(u64, Vec<u8>)> =
+                    replay_buffer.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+                for (seq, payload) in past {
+                    let m = vec![
+                        id.clone(),
+                        Bytes::new(),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        Bytes::from(payload),
+                    ];
+                    router.send(ZmqMessage::try_from(m).unwrap()).await.unwrap();
+                }
+                let end = vec![id.clone(), Bytes::new(), Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()];
+                router.send(ZmqMessage::try_from(end).unwrap()).await.unwrap();
+            }
+        });
+        Self { rt, socket, buffer }
+    }
+
+    /// Publishes batch `seq` live (and keeps it for replay) unless `live` is false: then only the
+    /// replay buffer has it, as for a batch the subscriber missed.
+    fn publish(&mut self, seq: u64, payload: Vec<u8>, live: bool) {
+        self.buffer.lock().unwrap().push_back((seq, payload.clone()));
+        if live {
+            let m = vec![Bytes::from_static(b"kv"), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload)];
+            self.rt.block_on(self.socket.send(ZmqMessage::try_from(m).unwrap())).unwrap();
+        }
+    }
+
+    fn restart(&mut self) {
+        self.buffer.lock().unwrap().clear();
+    }
+}
+
+#[test]
+fn events_reach_the_index_through_late_join_gap_repair_and_restart() {
+    let (events, replay) = (free_port(), free_port());
+    let mut publisher = Publisher::start(events, replay);
+    // Batch 0 goes out before the indexer exists: only replay can bring it.
+    let first: Vec<u32> = (1..=8).collect();
+    publisher.publish(0, batch(stored_pages(100, None, &first)), true);
+    let indexer = start_indexer(events, replay);
+    let mut seq = 1;
+    // Live batches until the subscription is through (ZeroMQ's slow joiner); each is harmless.
+    wait("the first live batch", || {
+        publisher.publish(seq, batch(vec![]), true);
+        seq += 1;
+        indexer.matched(&first) == 8
+    });
+    // A gap: batch `seq` is missed live, batch `seq + 1` arrives; the replay repairs it.
+    let second: Vec<u32> = (1..=12).collect();
+    publisher.publish(seq, batch(stored_pages(108, Some(107), &second[8..])), false);
+    publisher.publish(seq + 1, batch(vec![]), true);
+    wait("the gap repaired from replay", || indexer.matched(&second) == 12);
+    // Removing the page that completed the third block drops exactly that block.
+    let removed = V::Map(vec![
+        (V::from("type"), V::from("BlockRemoved")),
+        (V::from("block_hashes"), V::Array(vec![V::from(111)])),
+    ]);
+    publisher.publish(seq + 2, batch(vec![removed]), true);
+    wait("the removal", || indexer.matched(&second) == 8);
+    // The publisher restarts: its sequence starts again at 0 and what it said before is void.
+    publisher.restart();
+    let third: Vec<u32> = (50..58).collect();
+    publisher.publish(0, batch(stored_pages(1, None, &third)), true);
+    wait("the restart to clear the old entries", || indexer.matched(&third) == 8 && indexer.matched(&first) == 0);
+    // AllBlocksCleared forgets the rank.
+    publisher.publish(1, batch(vec![V::Map(vec![(V::from("type"), V::from("AllBlocksCleared"))])]), true);
+    wait("the clear", || indexer.matched(&third) == 0);
+    let metrics = ureq::get(&indexer.url("/metrics")).call().unwrap().body_mut().read_to_string().unwrap();
+    for counter in ["sgl_indexer_gaps_total 1", "sgl_indexer_publisher_restarts_total 1"] {
+        assert!(metrics.contains(counter), "{counter} in:\n{metrics}");
+    }
+}
+
+#[test]
+fn a_chat_body_is_tokenized_as_the_engine_does_and_matched() {
+    let (events, replay) = (free_port(), free_port());
+    let mut publisher = Publisher::start(events, replay);
+    let indexer = start_indexer(events, replay);
+    let chat = json!({"model": "m", "messages": [{"role": "system", "content": "the router explains the cache ".repeat(20)},
+                                                 {"role": "user", "content": "what is a bucket"}]});
+    let (status, first) = indexer.post("/v1/prefix/match", &chat);
+    assert_eq!(status, 200, "{first}");
+    let input = first["input_tokens"].as_u64().unwrap();
+    assert!(input > 100, "{first}");
+    assert_eq!(first["data"], json!({}), "nothing is cached yet");
+    // The engine stores the prompt it was sent: the same tokens the indexer computed.
+    let tok = sgl_indexer::tokenize::ModelTokenizer::load(
+        &assets().join("tokenizer.json"),
+        &assets().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let tokens = tok.tokenize_chat(&chat).unwrap();
+    assert_eq!(tokens.len() as u64, input);
+    let mut seq = 0;
+    wait("the stored prompt", || {
+        publisher.publish(seq, batch(if seq == 0 { stored_pages(1, None, &tokens) } else { vec![] }), true);
+        seq += 1;
+        indexer.post("/v1/prefix/match", &chat).1["data"]["A"]["matched_tokens"].as_u64() == Some(input / 4 * 4)
+    });
+    let (_, v) = indexer.post("/v1/prefix/match", &chat);
+    assert_eq!(v["data"]["A"]["GPU"], json!(input / 4 * 4));
+    // A salted request meets nothing stored without its salt.
+    let mut salted = chat.clone();
+    salted["cache_salt"] = json!("tenant-b");
+    assert_eq!(indexer.post("/v1/prefix/match", &salted).1["data"], json!({}));
+    // Malformed queries are 400s, unknown models 404s.
+    assert_eq!(indexer.post("/query", &json!({"token_ids": "nope"})).0, 400);
+    assert_eq!(indexer.post("/query", &json!({"model": "zz", "token_ids": []})).0, 404);
+    assert_eq!(indexer.post("/v1/prefix/match", &json!({"messages": []})).0, 400);
+}
