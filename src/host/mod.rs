@@ -7,6 +7,9 @@ mod memory;
 pub use callouts::{CalloutBoard, CalloutFuture, CalloutRequest, CalloutResponse, Callouts, MemoryCallouts};
 pub use memory::MemoryHost;
 
+/// A boxed future: policies and callouts that may await the host.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HostError {
     /// Someone else wrote the key since it was read.

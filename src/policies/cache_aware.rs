@@ -15,31 +15,57 @@ use super::{BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomS
 use crate::config::CacheAwareConfig;
 use crate::host::Host;
 use crate::registry::Worker;
-use crate::state::kv_events::{PrefixMatch, PrefixReplica};
+use crate::state::kv_events::remote::{IndexerAnswer, PrefixHit};
+use crate::state::kv_events::PrefixReplica;
 use crate::state::load_monitor::{EngineLoad, LoadSnapshot};
 
 /// What a prefix lookup found. A confirmed miss and an unavailable source both fall back to load,
 /// but stay distinguishable in the pick reason (and so in stats).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheLookup {
-    Matches(Vec<PrefixMatch>),
+    /// Every engine's hit, in tokens (a source converts its own units).
+    Matches(Vec<PrefixHit>),
     Unavailable(String),
 }
 
 /// Normalizes local and remote prefix lookups. Asynchronous so a remote indexer fits.
 pub trait CacheSource: Send + Sync + std::fmt::Debug {
     fn lookup<'a>(&'a self, model: &'a str, text: &'a str) -> BoxFuture<'a, CacheLookup>;
+
+    /// Whether hits count the request's exact tokens (the indexer) rather than the router's text
+    /// estimate of them.
+    fn exact(&self) -> bool {
+        false
+    }
+}
+
+/// The remote variant: the indexer's answer for this request, which the handler puts in the
+/// request's [`PrefixMemo`] before any bucket is tried (design §6). Without one (the model has no
+/// tokenizer, or no memo) the index is unavailable.
+#[derive(Debug, Default)]
+pub struct RemoteCacheSource;
+
+impl CacheSource for RemoteCacheSource {
+    fn lookup<'a>(&'a self, _model: &'a str, _text: &'a str) -> BoxFuture<'a, CacheLookup> {
+        Box::pin(std::future::ready(CacheLookup::Unavailable("no indexer answer for this request".to_string())))
+    }
+
+    fn exact(&self) -> bool {
+        true
+    }
 }
 
 /// The local variant: this VM's replica of the service's prefix trees.
 pub struct LocalCacheSource {
     host: Arc<dyn Host>,
     replica: Mutex<PrefixReplica>,
+    bytes_per_token: u64,
 }
 
 impl LocalCacheSource {
-    pub fn new(host: Arc<dyn Host>, replica: PrefixReplica) -> Self {
-        Self { host, replica: Mutex::new(replica) }
+    /// The trees match prompt bytes; `bytes_per_token` turns them into the estimator's tokens.
+    pub fn new(host: Arc<dyn Host>, replica: PrefixReplica, bytes_per_token: u64) -> Self {
+        Self { host, replica: Mutex::new(replica), bytes_per_token: bytes_per_token.max(1) }
     }
 
     /// Applies new log batches; also run on the VM's tick so an idle replica keeps up.
@@ -67,9 +93,17 @@ impl CacheSource for LocalCacheSource {
     fn lookup<'a>(&'a self, model: &'a str, text: &'a str) -> BoxFuture<'a, CacheLookup> {
         let result = match self.replica.lock() {
             Ok(mut r) => match r.refresh(self.host.as_ref()) {
-                Ok(()) => {
-                    CacheLookup::Matches(r.tree(model).map(|t| t.match_prefix(text.as_bytes())).unwrap_or_default())
-                }
+                Ok(()) => CacheLookup::Matches(
+                    r.tree(model)
+                        .map(|t| t.match_prefix(text.as_bytes()))
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|m| {
+                            let tokens = m.matched_bytes / self.bytes_per_token;
+                            PrefixHit { worker: m.worker, matched_tokens: tokens, gpu_tokens: tokens }
+                        })
+                        .collect(),
+                ),
                 Err(e) => CacheLookup::Unavailable(e.to_string()),
             },
             Err(_) => CacheLookup::Unavailable("replica lock poisoned".into()),
@@ -83,9 +117,45 @@ impl CacheSource for LocalCacheSource {
 #[derive(Debug, Default)]
 pub struct PrefixMemo {
     results: Mutex<HashMap<usize, Arc<CacheLookup>>>,
+    /// The indexer's verdict for this request (`hit`, `miss`, `unavailable`) and its handle.
+    indexer: Mutex<Option<(&'static str, Option<String>)>>,
 }
 
 impl PrefixMemo {
+    /// Records the indexer's answer for `source`'s policies; returns the exact input length when
+    /// it answered.
+    pub fn record_indexer(&self, source: &Arc<dyn CacheSource>, answer: IndexerAnswer) -> Option<u64> {
+        let (lookup, verdict, exact) = match answer {
+            Ok(m) => {
+                let verdict = if m.hits.is_empty() { "miss" } else { "hit" };
+                (CacheLookup::Matches(m.hits), (verdict, m.handle), Some(m.input_tokens))
+            }
+            Err(why) => (CacheLookup::Unavailable(why), ("unavailable", None), None),
+        };
+        self.set(source, lookup);
+        if let Ok(mut v) = self.indexer.lock() {
+            *v = Some(verdict);
+        }
+        exact
+    }
+
+    /// The indexer's verdict and handle, when it was asked.
+    pub fn indexer_verdict(&self) -> Option<(&'static str, Option<String>)> {
+        self.indexer.lock().ok().and_then(|v| v.clone())
+    }
+
+    /// Records an answer obtained before the bucket loop (the indexer's), for `source`'s policies.
+    pub fn set(&self, source: &Arc<dyn CacheSource>, lookup: CacheLookup) {
+        if let Ok(mut m) = self.results.lock() {
+            m.insert(Arc::as_ptr(source) as *const () as usize, Arc::new(lookup));
+        }
+    }
+
+    /// What was recorded for `source`, if anything.
+    pub fn get(&self, source: &Arc<dyn CacheSource>) -> Option<Arc<CacheLookup>> {
+        self.results.lock().ok().and_then(|m| m.get(&(Arc::as_ptr(source) as *const () as usize)).cloned())
+    }
+
     async fn lookup(&self, source: &Arc<dyn CacheSource>, model: &str, text: &str) -> Arc<CacheLookup> {
         // Keyed by the shared source, so different index namespaces stay independent.
         let key = Arc::as_ptr(source) as *const () as usize;
@@ -151,7 +221,7 @@ impl CacheAwarePolicy {
     fn usable_holders(
         &self,
         engines: &[Arc<Worker>],
-        matches: &[PrefixMatch],
+        matches: &[PrefixHit],
         input: u64,
         compared: u64,
         snapshot: &LoadSnapshot,
@@ -160,7 +230,7 @@ impl CacheAwarePolicy {
             .iter()
             .filter_map(|m| {
                 let worker = engines.iter().find(|w| w.id == m.worker)?;
-                let matched_tokens = (m.matched_bytes / self.bytes_per_token).min(input);
+                let matched_tokens = m.effective_tokens().min(input);
                 let ratio_ok = self
                     .config
                     .min_hit_ratio
@@ -245,9 +315,12 @@ impl CacheAwarePolicy {
     }
 
     async fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
-        let lookup = match (request.prompt_text, request.prefix_memo) {
+        let text = request.prompt_text.filter(|_| !self.source.exact());
+        let lookup = match (text, request.prefix_memo) {
             (Some(text), Some(memo)) => memo.lookup(&self.source, request.model, text).await,
             (Some(text), None) => Arc::new(self.source.lookup(request.model, text).await),
+            (None, Some(memo)) if self.source.exact() => memo.lookup(&self.source, request.model, "").await,
+            (None, None) if self.source.exact() => Arc::new(self.source.lookup(request.model, "").await),
             (None, _) => Arc::new(CacheLookup::Matches(Vec::new())),
         };
         let snapshot = self.gate.load.snapshot();
@@ -256,8 +329,10 @@ impl CacheAwarePolicy {
             CacheLookup::Unavailable(_) => return self.load_fallback(engines, &snapshot, PickReason::CacheUnavailable),
         };
         let input = request.input_tokens;
-        let compared =
-            request.prompt_text.map_or(input, |t| (t.len() as u64).div_ceil(self.bytes_per_token.max(1))).min(input);
+        let compared = match text {
+            Some(t) => (t.len() as u64).div_ceil(self.bytes_per_token).min(input),
+            None => input,
+        };
         let holders = self.usable_holders(engines, matches, input, compared, &snapshot);
         if holders.is_empty() {
             return self.load_fallback(engines, &snapshot, PickReason::CacheMiss);
@@ -310,7 +385,6 @@ mod tests {
     use crate::config::{AdmissionLimits, PressureGuard};
     use crate::policies::{Limit, Rejection, SeededRandom};
     use crate::registry::Role;
-    use crate::state::kv_events::Tier;
     use crate::testing::*;
 
     /// A source with fixed answers that counts lookups.
@@ -324,7 +398,7 @@ mod tests {
         fn matches(m: &[(&str, u64)]) -> Arc<Self> {
             let matches = m
                 .iter()
-                .map(|(w, tokens)| PrefixMatch { worker: w.to_string(), matched_bytes: tokens * 4, tier: Tier::Gpu })
+                .map(|(w, tokens)| PrefixHit { worker: w.to_string(), matched_tokens: *tokens, gpu_tokens: *tokens })
                 .collect();
             Arc::new(Self { answer: CacheLookup::Matches(matches), lookups: AtomicUsize::new(0) })
         }

@@ -13,8 +13,6 @@ mod round_robin;
 mod session_aware;
 mod sticky;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 pub use admission::{Admission, EngineAdmission, EngineMetrics, Limit};
@@ -32,7 +30,7 @@ use crate::host::Host;
 use crate::registry::Role;
 use crate::registry::Worker;
 
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use crate::host::BoxFuture;
 
 /// Facts of one group call: no body, no state handles, no observations.
 #[derive(Debug, Clone, Copy)]

@@ -161,6 +161,12 @@ impl Filter {
         self.app.borrow().on_dispatch(&upstream.id);
         exchange.dispatched(&upstream.id);
         self.inflight = Some(InflightGuard::acquire(inflight, &upstream.id));
+        for notice in &exchange.decision().notices {
+            // Fire and forget: its answer, if any, is ignored.
+            if let Err(e) = dispatch(notice) {
+                log::debug!("routed notice not sent: {e}");
+            }
+        }
         self.exchange = Some(exchange);
         Action::Continue
     }

@@ -14,7 +14,7 @@ use super::service::Service;
 use super::stats::Stats;
 use crate::config;
 use crate::host::Host;
-use crate::policies::cache_aware::{CacheSource, LocalCacheSource};
+use crate::policies::cache_aware::{CacheSource, LocalCacheSource, RemoteCacheSource};
 use crate::policies::SeededRandom;
 use crate::server::factory::{prefix_budgets, StateHandles};
 use crate::server::AppContext;
@@ -93,8 +93,11 @@ impl RootContext for Root {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
-                let prefixes =
-                    Arc::new(LocalCacheSource::new(Arc::clone(&host), PrefixReplica::new(prefix_budgets(&parsed))));
+                let prefixes = Arc::new(LocalCacheSource::new(
+                    Arc::clone(&host),
+                    PrefixReplica::new(prefix_budgets(&parsed)),
+                    parsed.tokens.bytes_per_token,
+                ));
                 self.prefixes = Some(Arc::clone(&prefixes));
                 let handles = StateHandles {
                     load: Arc::new(SharedLoadView::new(Arc::clone(&host), parsed.load.stale_after_ms)),
@@ -103,6 +106,7 @@ impl RootContext for Root {
                     callouts: Arc::new(ProxyCallouts::default()),
                     affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
                     prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
+                    remote_prefixes: Arc::new(RemoteCacheSource),
                     host,
                 };
                 self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use super::headers::ProtectedHeaders;
+use super::routes::chat::bucket_loop::IndexerLookup;
 use super::routes::chat::{self, Effects, PendingChat};
 use super::upstream::UpstreamHeader;
 use super::{ErrorKind, RouteError};
@@ -16,6 +17,7 @@ use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
 use crate::state::keys;
+use crate::state::kv_events::remote::IndexerClient;
 
 pub struct AppContext {
     config: Arc<RouterConfig>,
@@ -28,6 +30,8 @@ pub struct AppContext {
     /// Models with a cache-aware group: their prompts feed the prefix index.
     prefix_models: HashSet<String>,
     headers: ProtectedHeaders,
+    /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
+    indexer: Option<Arc<IndexerClient>>,
 }
 
 impl AppContext {
@@ -44,7 +48,9 @@ impl AppContext {
         let availability = Arc::new(SharedAvailability::new(Arc::clone(&handles.host), breakers.clone(), ids));
         let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
+        let indexer = factory::indexer_client(&config, Arc::clone(&handles.callouts)).map(Arc::new);
         Self {
+            indexer,
             headers: ProtectedHeaders::new(&config, upstream.name()),
             config: Arc::new(config),
             registry,
@@ -127,11 +133,19 @@ impl AppContext {
             session_key: key(&model.session_id_header),
             routing_key: key(&model.routing_key_header),
         };
+        let indexer = self.indexer.as_ref().filter(|_| model.tokenizer.is_some()).map(|client| IndexerLookup {
+            answer: client.match_chat(body),
+            source: Arc::clone(&self.handles.remote_prefixes),
+            output_budget: facts.output_budget,
+        });
+        let memo = Arc::clone(&request.prefix_memo);
         Ok(PendingChat {
             facts,
             prompt_text,
             body: Some(parsed),
-            selection: chat::select(Arc::clone(resolver), self.registry.live(), request),
+            memo,
+            indexer: self.indexer.clone(),
+            selection: chat::select(Arc::clone(resolver), self.registry.live(), request, indexer),
             upstream: self.upstream.clone(),
             random: Arc::clone(&self.handles.random),
             prefill_timeout_ms: self.config.pd.prefill_timeout_ms,

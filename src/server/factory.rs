@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use crate::buckets::{Bucket, BucketGroups, BucketResolver, EngineGroup};
 use crate::config::{
-    AdmissionLimits, CircuitBreakerConfig, GroupConfig, GroupsConfig, HealthConfig, LoadSource, ModelConfig,
-    PolicyConfig, RouterConfig, StickyFallback,
+    AdmissionLimits, CacheSourceKind, CircuitBreakerConfig, GroupConfig, GroupsConfig, HealthConfig, LoadSource,
+    ModelConfig, PolicyConfig, RouterConfig, StickyFallback,
 };
 use crate::host::Host;
 use crate::policies::admission::AdmissionGate;
@@ -22,6 +22,7 @@ use crate::registry::{AllAvailable, EngineAddress, Role, Worker, WorkerRegistry,
 use crate::state::affinity_store::AffinityStore;
 use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
+use crate::state::kv_events::remote::IndexerClient;
 use crate::state::kv_events::Budgets;
 use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint};
 
@@ -37,8 +38,10 @@ pub struct StateHandles {
     pub callouts: Arc<dyn crate::host::Callouts>,
     /// Session and routing-key bindings.
     pub affinity: Arc<AffinityStore>,
-    /// The prefix index cache-aware policies read.
+    /// The prefix index `source: local` cache-aware policies read.
     pub prefixes: Arc<dyn CacheSource>,
+    /// The indexer's per-request answer, which `source: remote` policies read.
+    pub remote_prefixes: Arc<dyn CacheSource>,
 }
 
 pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
@@ -197,7 +200,10 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
         )),
         PolicyConfig::CacheAware(c) => Arc::new(CacheAwarePolicy::new(
             (**c).clone(),
-            Arc::clone(&handles.prefixes),
+            Arc::clone(match c.source {
+                CacheSourceKind::Local => &handles.prefixes,
+                CacheSourceKind::Remote => &handles.remote_prefixes,
+            }),
             gate,
             Arc::clone(&handles.random),
             site.bytes_per_token,
@@ -205,8 +211,17 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
     }
 }
 
-/// Each model's prefix-tree budget in bytes: the largest `max_tree_tokens` of its cache-aware
-/// groups, in the estimator's bytes. Models without a cache-aware group keep no tree.
+/// The indexer client when `prefix_index` is configured (its URL was validated).
+pub fn indexer_client(config: &RouterConfig, callouts: Arc<dyn crate::host::Callouts>) -> Option<IndexerClient> {
+    let index = config.prefix_index.as_ref()?;
+    let authority = EngineAddress::parse(&index.url).ok()?.host_port();
+    let token = index.token_header.clone().zip(index.token.clone());
+    Some(IndexerClient::new(callouts, index.cluster.clone(), authority, index.timeout_ms, index.max_concurrent, token))
+}
+
+/// Each model's prefix-tree budget in bytes: the largest `max_tree_tokens` of its `source: local`
+/// cache-aware groups, in the estimator's bytes. Models without one keep no tree (a remote
+/// source needs none).
 pub fn prefix_budgets(config: &RouterConfig) -> Budgets {
     let mut budgets = HashMap::new();
     for (name, model) in &config.models {
@@ -217,6 +232,9 @@ pub fn prefix_budgets(config: &RouterConfig) -> Budgets {
             };
             for g in groups {
                 if let PolicyConfig::CacheAware(c) = &g.policy {
+                    if c.source == CacheSourceKind::Remote {
+                        continue;
+                    }
                     let bytes = c.max_tree_tokens.saturating_mul(config.tokens.bytes_per_token);
                     let entry = budgets.entry(name.clone()).or_insert(0u64);
                     *entry = (*entry).max(bytes);

@@ -18,6 +18,11 @@ pub fn outcome(name: &str) -> String {
     format!("sgl_router_requests_total.outcome.{}", label(name))
 }
 
+/// `sgl_router_prefix_lookups_total{result=hit|miss|unavailable}` (spec §7).
+pub fn prefix_lookup(verdict: &str) -> String {
+    format!("sgl_router_prefix_lookups_total.result.{verdict}")
+}
+
 pub fn error_outcome(kind: ErrorKind) -> String {
     outcome(kind.type_name())
 }

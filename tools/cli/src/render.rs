@@ -2,6 +2,7 @@
 
 use serde_json::{json, Value};
 use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
+use sgl_envoy_router::registry::EngineAddress;
 use sgl_envoy_router::server::factory;
 use sgl_envoy_router::server::{ErrorKind, RouteError};
 
@@ -206,26 +207,31 @@ fn circuit_breakers() -> Value {
     }]})
 }
 
+/// One host: STATIC for an IP, STRICT_DNS for a name.
+fn static_cluster(name: &str, address: &EngineAddress) -> Value {
+    let is_ip = address.host.parse::<std::net::IpAddr>().is_ok();
+    json!({
+        "name": name,
+        "type": if is_ip { "STATIC" } else { "STRICT_DNS" },
+        "connect_timeout": "5s",
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "circuit_breakers": circuit_breakers(),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket(&address.host, address.port)}}]}],
+        },
+    })
+}
+
 fn clusters(config: &RouterConfig) -> Vec<Value> {
     let registry = factory::registry(config);
-    let mut clusters: Vec<Value> = registry
-        .all()
-        .iter()
-        .map(|w| {
-            let is_ip = w.address.host.parse::<std::net::IpAddr>().is_ok();
-            json!({
-                "name": w.cluster,
-                "type": if is_ip { "STATIC" } else { "STRICT_DNS" },
-                "connect_timeout": "5s",
-                "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
-                "circuit_breakers": circuit_breakers(),
-                "load_assignment": {
-                    "cluster_name": w.cluster,
-                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket(&w.address.host, w.address.port)}}]}],
-                },
-            })
-        })
-        .collect();
+    let mut clusters: Vec<Value> = registry.all().iter().map(|w| static_cluster(&w.cluster, &w.address)).collect();
+    // The indexer the filter asks once per request (spec §7).
+    if let Some(index) = &config.prefix_index {
+        if let Ok(address) = EngineAddress::parse(&index.url) {
+            clusters.push(static_cluster(&index.cluster, &address));
+        }
+    }
     if config.upstream.mode == UpstreamMode::OriginalDst {
         clusters.push(json!({
             "name": ORIGINAL_DST_CLUSTER,
@@ -241,4 +247,31 @@ fn clusters(config: &RouterConfig) -> Vec<Value> {
         }));
     }
     clusters
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_indexer_gets_its_cluster_and_envoys_replies_their_json_shape() {
+        let config = sgl_envoy_router::config::parse_and_validate(
+            r#"{"workers": [{"id": "A", "url": "http://127.0.0.1:30001", "model": "m"}],
+                "prefix_index": {"url": "http://127.0.0.1:9100"},
+                "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}}"#,
+        )
+        .unwrap();
+        let b = bootstrap(&config, &RenderOptions::default());
+        let clusters = b["static_resources"]["clusters"].as_array().unwrap();
+        let indexer = clusters.iter().find(|c| c["name"] == "sgl_indexer").unwrap();
+        let address =
+            &indexer["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        assert_eq!((address["address"].as_str(), address["port_value"].as_u64()), (Some("127.0.0.1"), Some(9100)));
+        let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        let mappers = hcm["local_reply_config"]["mappers"].as_array().unwrap();
+        assert_eq!(mappers.len(), 3);
+        assert!(mappers.iter().all(|m| m["body_format_override"]["json_format"]["error"]["message"]
+            .as_str()
+            .is_some_and(|s| s.contains("%UPSTREAM_CLUSTER%"))));
+    }
 }

@@ -10,10 +10,13 @@ use super::bucket_loop::{Selection, SelectionFailure};
 use super::pd::{bootstrap_body, PdDispatch};
 use super::ChatFacts;
 use crate::buckets::BucketPick;
+use crate::host::CalloutRequest;
+use crate::policies::cache_aware::PrefixMemo;
 use crate::policies::{BoxFuture, RandomSource};
 use crate::registry::Worker;
 use crate::server::upstream::UpstreamHeader;
 use crate::server::{metrics, ErrorKind, RouteError};
+use crate::state::kv_events::remote::IndexerClient;
 use crate::state::kv_events::{PrefixEvent, Tier};
 
 /// The engines a request goes to.
@@ -51,6 +54,8 @@ pub struct Decision {
     /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
     /// to the service once the decision is carried out.
     pub prefix_event: Option<PrefixEvent>,
+    /// Fire-and-forget callouts once dispatched: the indexer's routed notice (spec §7).
+    pub notices: Vec<CalloutRequest>,
 }
 
 impl Decision {
@@ -86,6 +91,9 @@ pub struct PendingChat {
     pub(crate) upstream: UpstreamHeader,
     pub(crate) random: Arc<dyn RandomSource>,
     pub(crate) prefill_timeout_ms: u64,
+    /// The request's memo, to read the indexer's verdict and handle once selection is done.
+    pub(crate) memo: Arc<PrefixMemo>,
+    pub(crate) indexer: Option<Arc<IndexerClient>>,
 }
 
 impl PendingChat {
@@ -93,25 +101,27 @@ impl PendingChat {
     /// started is still out: a selection with nothing to wake it can never finish, so it fails.
     pub fn poll(&mut self, waiting_on_callouts: impl FnOnce() -> bool) -> Poll<ChatOutcome> {
         let mut cx = Context::from_waker(Waker::noop());
-        let selection = match self.selection.as_mut().poll(&mut cx) {
-            Poll::Pending if waiting_on_callouts() => return Poll::Pending,
+        let polled = self.selection.as_mut().poll(&mut cx);
+        if polled.is_pending() && waiting_on_callouts() {
+            return Poll::Pending;
+        }
+        let verdict = self.memo.indexer_verdict();
+        let lookup_counter = verdict.as_ref().map(|(v, _)| metrics::prefix_lookup(v));
+        let selection = match polled {
             Poll::Pending => {
                 let error =
                     RouteError::new(ErrorKind::InvalidConfiguration, "the selection is waiting, but on no callout");
-                return Poll::Ready(ChatOutcome {
-                    counters: vec![metrics::error_outcome(error.kind)],
-                    result: Err(error),
-                });
+                let counters = vec![metrics::error_outcome(error.kind)].into_iter().chain(lookup_counter).collect();
+                return Poll::Ready(ChatOutcome { counters, result: Err(error) });
             }
             Poll::Ready(Err(failure)) => {
-                return Poll::Ready(ChatOutcome {
-                    counters: metrics::failed(&failure),
-                    result: Err(failure.to_route_error()),
-                })
+                let counters = metrics::failed(&failure).into_iter().chain(lookup_counter).collect();
+                return Poll::Ready(ChatOutcome { counters, result: Err(failure.to_route_error()) });
             }
             Poll::Ready(Ok(selection)) => selection,
         };
-        let counters = metrics::selected(&selection);
+        let mut counters = metrics::selected(&selection);
+        counters.extend(lookup_counter);
         let (target, pd) = match &selection.pick {
             BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
             BucketPick::Pd { prefill, decode } => {
@@ -134,6 +144,11 @@ impl PendingChat {
             text: text.to_string(),
             tier: Tier::Gpu,
         });
+        // The indexer holds the blocks for the engine that prefills them until its own event says so.
+        let notices = match (&self.indexer, verdict) {
+            (Some(client), Some((_, Some(handle)))) => vec![client.routed_notice(&handle, &target.prefill_work().id)],
+            _ => Vec::new(),
+        };
         Poll::Ready(ChatOutcome {
             counters,
             result: Ok(Decision {
@@ -142,6 +157,7 @@ impl PendingChat {
                 target,
                 pd,
                 prefix_event,
+                notices,
             }),
         })
     }

@@ -146,6 +146,7 @@ mod tests {
             upstream_header: ("x-sgl-cluster".into(), "sgl_A".into()),
             pd: None,
             prefix_event: Some(event("A")),
+            notices: vec![],
         });
         x.dispatched("A");
         x
@@ -159,6 +160,7 @@ mod tests {
             upstream_header: ("x-sgl-cluster".into(), "sgl_D".into()),
             pd: Some(PdDispatch { prefill: p, body: vec![], rooms: vec![1], prefill_timeout_ms: 1 }),
             prefix_event: Some(event("P")),
+            notices: vec![],
         });
         x.dispatched("P");
         x.dispatched("D");

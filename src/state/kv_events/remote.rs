@@ -1,0 +1,195 @@
+//! The indexer's answer (spec §7): one callout per request to `POST /v1/prefix/match` with the
+//! client's chat body, answered with the exact input length and every engine's matched prefix. Any
+//! failure (error, non-2xx, timeout, garbage, the concurrency cap) is *unavailable*: the caller
+//! falls back to the byte estimate and to load, counted apart from a confirmed miss.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::host::{CalloutRequest, Callouts};
+
+/// What one engine holds of the request's prompt, in tokens, with the part held in GPU memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixHit {
+    pub worker: String,
+    pub matched_tokens: u64,
+    pub gpu_tokens: u64,
+}
+
+impl PrefixHit {
+    /// Tokens worth of cache for ranking: a token held only in CPU memory or on disk must be
+    /// loaded back before it saves prefill, so it counts half.
+    pub fn effective_tokens(&self) -> u64 {
+        let gpu = self.gpu_tokens.min(self.matched_tokens);
+        gpu + (self.matched_tokens - gpu) / 2
+    }
+}
+
+/// The indexer's answer for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexerMatch {
+    pub input_tokens: u64,
+    pub hits: Vec<PrefixHit>,
+    /// Names the computed blocks in a later routed notice.
+    pub handle: Option<String>,
+}
+
+pub type IndexerAnswer = Result<IndexerMatch, String>;
+
+/// `{"input_tokens": N, "data": {"<worker>": {"matched_tokens", "GPU", ...}}, "handle": "..."}`.
+pub fn parse_answer(status: Option<u16>, body: &[u8]) -> IndexerAnswer {
+    match status {
+        Some(200..=299) => {}
+        Some(s) => return Err(format!("the indexer answered {s}")),
+        None => return Err("the indexer did not answer in time".to_string()),
+    }
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("the indexer's answer is not JSON: {e}"))?;
+    let input_tokens =
+        v.get("input_tokens").and_then(Value::as_u64).ok_or("the indexer's answer has no input_tokens")?;
+    let data = v.get("data").and_then(Value::as_object).ok_or("the indexer's answer has no data")?;
+    let mut hits: Vec<PrefixHit> = data
+        .iter()
+        .filter_map(|(worker, m)| {
+            let matched = m.get("matched_tokens")?.as_u64()?;
+            Some(PrefixHit {
+                worker: worker.clone(),
+                matched_tokens: matched.min(input_tokens),
+                gpu_tokens: m.get("GPU").and_then(Value::as_u64).unwrap_or(matched),
+            })
+        })
+        .filter(|h| h.matched_tokens > 0)
+        .collect();
+    hits.sort_by(|a, b| b.effective_tokens().cmp(&a.effective_tokens()).then_with(|| a.worker.cmp(&b.worker)));
+    let handle = v.get("handle").and_then(Value::as_str).map(str::to_string);
+    Ok(IndexerMatch { input_tokens, hits, handle })
+}
+
+/// Where the indexer is, and the per-VM cap on callouts in flight.
+#[derive(Debug)]
+pub struct IndexerClient {
+    callouts: Arc<dyn Callouts>,
+    cluster: String,
+    authority: String,
+    timeout_ms: u64,
+    max_in_flight: u64,
+    in_flight: Arc<AtomicU64>,
+    token: Option<(String, String)>,
+}
+
+/// Gives its slot back however the callout ends, the request aborted included.
+struct Slot(Arc<AtomicU64>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl IndexerClient {
+    pub fn new(
+        callouts: Arc<dyn Callouts>,
+        cluster: String,
+        authority: String,
+        timeout_ms: u64,
+        max_in_flight: u64,
+        token: Option<(String, String)>,
+    ) -> Self {
+        Self { callouts, cluster, authority, timeout_ms, max_in_flight, in_flight: Arc::default(), token }
+    }
+
+    /// Starts the match callout for a chat body. The future never waits past the callout's
+    /// timeout; past the cap it is unavailable at once.
+    pub fn match_chat(&self, body: &[u8]) -> crate::host::BoxFuture<'static, IndexerAnswer> {
+        if self.in_flight.fetch_add(1, Ordering::Relaxed) >= self.max_in_flight {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Box::pin(std::future::ready(Err("the indexer's concurrency cap is reached".to_string())));
+        }
+        let slot = Slot(Arc::clone(&self.in_flight));
+        let request = CalloutRequest {
+            cluster: self.cluster.clone(),
+            method: "POST".to_string(),
+            path: "/v1/prefix/match".to_string(),
+            authority: self.authority.clone(),
+            headers: vec![("content-type".to_string(), "application/json".to_string())],
+            body: Some(body.to_vec()),
+            timeout_ms: self.timeout_ms,
+        };
+        match self.callouts.dispatch(request) {
+            Ok(future) => Box::pin(async move {
+                let response = future.await;
+                drop(slot);
+                parse_answer(response.status, &response.body)
+            }),
+            Err(e) => Box::pin(std::future::ready(Err(format!("the indexer callout was not sent: {e}")))),
+        }
+    }
+
+    /// The fire-and-forget notice that `worker` got the request behind `handle`.
+    pub fn routed_notice(&self, handle: &str, worker: &str) -> CalloutRequest {
+        let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
+        if let Some((name, value)) = &self.token {
+            headers.push((name.clone(), value.clone()));
+        }
+        CalloutRequest {
+            cluster: self.cluster.clone(),
+            method: "POST".to_string(),
+            path: "/v1/prefix/routed".to_string(),
+            authority: self.authority.clone(),
+            headers,
+            body: Some(serde_json::json!({"handle": handle, "worker": worker}).to_string().into_bytes()),
+            timeout_ms: self.timeout_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::{CalloutResponse, MemoryCallouts};
+    use crate::testing::now;
+
+    fn client(callouts: Arc<MemoryCallouts>, cap: u64) -> IndexerClient {
+        IndexerClient::new(callouts, "sgl_indexer".into(), "127.0.0.1:9100".into(), 50, cap, None)
+    }
+
+    #[test]
+    fn an_answer_gives_exact_tokens_and_hits_ranked_with_cpu_held_tokens_at_half() {
+        let body = br#"{"input_tokens": 900, "handle": "7", "data": {
+            "A": {"matched_tokens": 800, "GPU": 0, "CPU_PINNED": 800},
+            "B": {"matched_tokens": 600, "GPU": 600},
+            "C": {"matched_tokens": 0}}}"#;
+        let m = parse_answer(Some(200), body).unwrap();
+        assert_eq!(m.input_tokens, 900);
+        let order: Vec<(&str, u64)> = m.hits.iter().map(|h| (h.worker.as_str(), h.effective_tokens())).collect();
+        assert_eq!(order, [("B", 600), ("A", 400)], "a GPU hit outranks a longer CPU-only one");
+        assert_eq!(m.handle.as_deref(), Some("7"));
+    }
+
+    #[test]
+    fn anything_but_a_good_answer_is_unavailable() {
+        assert!(parse_answer(None, b"").is_err());
+        assert!(parse_answer(Some(503), b"{}").is_err());
+        assert!(parse_answer(Some(200), b"nope").is_err());
+        assert!(parse_answer(Some(200), br#"{"data": {}}"#).is_err());
+    }
+
+    #[test]
+    fn the_cap_makes_the_next_request_unavailable_at_once_and_slots_come_back() {
+        let callouts = Arc::new(MemoryCallouts::default());
+        let c = client(Arc::clone(&callouts), 1);
+        let first = c.match_chat(b"{}");
+        let second = now(c.match_chat(b"{}"));
+        assert!(second.unwrap_err().contains("cap"));
+        drop(first);
+        let third = c.match_chat(b"{}");
+        let token = callouts.sent.lock().unwrap().last().map(|(t, _)| *t).unwrap();
+        callouts.board().complete(
+            token,
+            CalloutResponse { status: Some(200), body: br#"{"input_tokens": 3, "data": {}}"#.to_vec() },
+        );
+        assert_eq!(now(third).unwrap().input_tokens, 3);
+        assert_eq!(callouts.sent.lock().unwrap()[0].1.path, "/v1/prefix/match");
+    }
+}
