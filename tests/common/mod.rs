@@ -31,6 +31,28 @@ pub fn sim_bin() -> PathBuf {
     require(target_dir().join("debug/sgl-sim"), "sgl-sim")
 }
 
+pub fn indexer_bin() -> PathBuf {
+    require(target_dir().join("debug/sgl-indexer"), "sgl-indexer")
+}
+
+/// The project's small tokenizer and chat template (assets/tokenizer).
+pub fn tokenizer_dir() -> PathBuf {
+    repo_root().join("assets/tokenizer")
+}
+
+/// Starts `sgl-indexer` on `port` with the router configuration `render` wrote into `dir`, and
+/// waits until it is subscribed and serving.
+pub fn start_indexer(dir: &Path, port: u16) -> Process {
+    let mut cmd = Command::new(indexer_bin());
+    cmd.args(["--config", &dir.join("router.json").to_string_lossy(), "--listen", &format!("127.0.0.1:{port}")]);
+    let p = Process::spawn("sgl-indexer", &mut cmd, dir.join(format!("indexer-{port}.log")));
+    let a = agent();
+    wait_for("the indexer's health", Duration::from_secs(20), || {
+        a.get(&format!("http://127.0.0.1:{port}/health")).call().ok().filter(|r| r.status() == 200)
+    });
+    p
+}
+
 pub fn cli_bin() -> PathBuf {
     require(target_dir().join("debug/sgl-envoy-router"), "the sgl-envoy-router CLI")
 }

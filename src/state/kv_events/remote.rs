@@ -116,14 +116,15 @@ impl IndexerClient {
             body: Some(body.to_vec()),
             timeout_ms: self.timeout_ms,
         };
-        match self.callouts.dispatch(request) {
-            Ok(future) => Box::pin(async move {
-                let response = future.await;
-                drop(slot);
-                parse_answer(response.status, &response.body)
-            }),
-            Err(e) => Box::pin(std::future::ready(Err(format!("the indexer callout was not sent: {e}")))),
-        }
+        // Dispatched on the first poll, inside the selection, so the filter sees the callout the
+        // pending selection waits on.
+        let callouts = Arc::clone(&self.callouts);
+        Box::pin(async move {
+            let future = callouts.dispatch(request).map_err(|e| format!("the indexer callout was not sent: {e}"))?;
+            let response = future.await;
+            drop(slot);
+            parse_answer(response.status, &response.body)
+        })
     }
 
     /// The fire-and-forget notice that `worker` got the request behind `handle`.
@@ -183,7 +184,9 @@ mod tests {
         let second = now(c.match_chat(b"{}"));
         assert!(second.unwrap_err().contains("cap"));
         drop(first);
-        let third = c.match_chat(b"{}");
+        let mut third = c.match_chat(b"{}");
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(third.as_mut().poll(&mut cx).is_pending(), "sent on the first poll, then waiting");
         let token = callouts.sent.lock().unwrap().last().map(|(t, _)| *t).unwrap();
         callouts.board().complete(
             token,

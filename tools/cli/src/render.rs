@@ -62,6 +62,7 @@ fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
                 {"tag_name": "outcome", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.outcome\\.([^.]+))$"},
                 {"tag_name": "limit", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.limit\\.([^.]+))$"},
                 {"tag_name": "vm", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.vm\\.([^.]+))$"},
+                {"tag_name": "result", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.result\\.([^.]+))$"},
                 {"tag_name": "reason", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(\\.reason\\.([^.]+))$"},
             ]
         },
