@@ -74,3 +74,75 @@ fn exact_tokens_choose_the_bucket_and_a_stopped_indexer_costs_only_precision() {
         assert!(d.envoy.metric(&sample).unwrap_or(0.0) >= 1.0, "{sample}");
     }
 }
+
+/// Engines that tokenize with the project's tokenizer and publish KV events, SGLang-style.
+fn publishing(id: &str) -> (SimSpec, u16, u16) {
+    let (events, replay) = (free_port(), free_port());
+    let tok = tokenizer_dir();
+    let spec = SimSpec {
+        extra: vec![
+            "--tokenizer".into(),
+            tok.join("tokenizer.json").to_string_lossy().into_owned(),
+            "--kv-events".into(),
+            format!("tcp://127.0.0.1:{events}"),
+            "--kv-events-replay".into(),
+            format!("tcp://127.0.0.1:{replay}"),
+        ],
+        ..SimSpec::plain(id)
+    };
+    (spec, events, replay)
+}
+
+fn system_prompt() -> String {
+    "You are the support assistant of a model router. Explain buckets, prefill, decode and caches plainly. ".repeat(12)
+}
+
+fn ask(question: &str) -> Value {
+    json!({"model": "demo-model", "max_tokens": 4, "stream": false,
+           "messages": [{"role": "system", "content": system_prompt()}, {"role": "user", "content": question}]})
+}
+
+#[test]
+fn a_prefix_an_engine_reports_draws_its_requests_until_the_engine_drops_it() {
+    let indexer_port = free_port();
+    let (a, a_events, a_replay) = publishing("A");
+    let (b, b_events, b_replay) = publishing("B");
+    let d = Deployment::start("precise_events", vec![a, b], |sims| {
+        let mut router = precise_router(sims, indexer_port);
+        for (w, (events, replay)) in [(0, (a_events, a_replay)), (1, (b_events, b_replay))] {
+            router["workers"][w]["kv_events"] = json!(format!("tcp://127.0.0.1:{events}"));
+            router["workers"][w]["kv_events_replay"] = json!(format!("tcp://127.0.0.1:{replay}"));
+        }
+        router["models"]["demo-model"]["buckets"] = json!([{"id": "all", "groups": {"plain": {"policy": {
+            "type": "cache_aware", "source": "remote", "min_hit_tokens": 64}}}}]);
+        router
+    });
+    let _indexer = start_indexer(&d.dir, indexer_port);
+    let match_url = format!("http://127.0.0.1:{indexer_port}/v1/prefix/match");
+    // The prefix reaches B without the router: B's own events are all the indexer knows.
+    let direct = send(&d.sim("B").url("/v1/chat/completions"), "POST", Some(&ask("what is a bucket?")), &[]);
+    assert_eq!(direct.status, 200, "{}", direct.body);
+    wait_for("B's events in the index", Duration::from_secs(10), || {
+        let v = send(&match_url, "POST", Some(&ask("anything")), &[]).json();
+        (v["data"]["B"]["matched_tokens"].as_u64()? > 100).then_some(())
+    });
+    for i in 0..6 {
+        let r = d.chat(&ask(&format!("question number {i}?")));
+        assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("B")), "request {i}: {}", r.body);
+    }
+    let hits = d.envoy.metric("sgl_router_pick_reasons_total{stage=\"plain\",reason=\"cache_hit\"}").unwrap_or(0.0);
+    assert!(hits >= 6.0, "{hits} cache hits");
+
+    // B flushes its cache: AllBlocksCleared reaches the index, and the next request is a miss.
+    assert_eq!(send(&d.sim("B").url("/flush_cache"), "POST", None, &[]).status, 200);
+    wait_for("B's clear in the index", Duration::from_secs(10), || {
+        let v = send(&match_url, "POST", Some(&ask("anything")), &[]).json();
+        v["data"].get("B").is_none().then_some(())
+    });
+    let misses = |d: &Deployment| {
+        d.envoy.metric("sgl_router_pick_reasons_total{stage=\"plain\",reason=\"cache_miss\"}").unwrap_or(0.0)
+    };
+    let before = misses(&d);
+    assert_eq!(d.chat(&ask("after the flush?")).status, 200);
+    assert_eq!(misses(&d), before + 1.0, "the flushed prefix no longer counts as cached on B");
+}

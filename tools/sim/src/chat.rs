@@ -128,8 +128,19 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
 
     // Prefill: the uncached part of the prompt at the engine's throughput, one prefill at a
     // time; then the rooms are ready for their decode engines.
-    let prompt_ids = kv::tokenize(&prompt_text(&body));
-    let cached = if engine.role == Role::Decode { prompt_ids.len() as u64 } else { engine.cache.serve(&prompt_ids) };
+    let prompt_ids: Vec<u64> = match engine.tokenizer.as_ref().map(|t| t.tokenize_chat(&body)) {
+        Some(Ok(ids)) => ids.into_iter().map(u64::from).collect(),
+        _ => kv::tokenize(&prompt_text(&body)),
+    };
+    let cached = if engine.role == Role::Decode {
+        prompt_ids.len() as u64
+    } else {
+        let served = engine.cache.serve(&prompt_ids);
+        if let Some(events) = &engine.events {
+            events.served(&served);
+        }
+        served.cached_tokens
+    };
     let uncached = (prompt_ids.len() as u64).saturating_sub(cached);
     {
         let _prefill = engine.prefill_lock.lock().await;

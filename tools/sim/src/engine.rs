@@ -90,6 +90,21 @@ pub struct Args {
     /// As SGLang's `--api-key`: generation requests without `Authorization: Bearer KEY` get 401.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// The model's `tokenizer.json`: prompts are tokenized as the real engine does.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// A chat template file or `tokenizer_config.json` (default: beside the tokenizer).
+    #[arg(long)]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// Tokens per KV page (SGLang's default 1 with a tokenizer; 16 without).
+    #[arg(long)]
+    pub page_size: Option<u64>,
+    /// Publishes KV events on this ZeroMQ PUB endpoint (needs --tokenizer).
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// Answers replay requests on this ZeroMQ ROUTER endpoint.
+    #[arg(long)]
+    pub kv_events_replay: Option<String>,
 }
 
 /// Bytes per simulated token, as the router's default estimator counts.
@@ -129,6 +144,8 @@ pub struct Engine {
     pub recent: Mutex<Vec<RequestRecord>>,
     pub client: reqwest::Client,
     pub cache: crate::kv::PrefixCache,
+    pub tokenizer: Option<sgl_indexer::tokenize::ModelTokenizer>,
+    pub events: Option<crate::events::Publisher>,
     /// One prefill at a time, as an engine's prefill batch runs.
     pub prefill_lock: tokio::sync::Mutex<()>,
     pub chat_requests: AtomicU64,
@@ -159,7 +176,12 @@ impl Engine {
             rooms: Rooms::default(),
             recent: Mutex::new(Vec::new()),
             client: reqwest::Client::new(),
-            cache: crate::kv::PrefixCache::new(args.kv_capacity),
+            cache: crate::kv::PrefixCache::new(
+                args.kv_capacity,
+                args.page_size.unwrap_or(if args.tokenizer.is_some() { 1 } else { crate::kv::BLOCK_TOKENS }),
+            ),
+            tokenizer: None,
+            events: None,
             prefill_lock: tokio::sync::Mutex::new(()),
             chat_requests: AtomicU64::new(0),
             fault_rng: AtomicU64::new(u64::from(args.port).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),

@@ -62,6 +62,11 @@ pub async fn models(State(engine): State<Arc<Engine>>) -> Response {
     .into_response()
 }
 
-pub async fn flush_cache() -> Response {
+/// As SGLang's: drops the prefix cache, and says so on the event stream.
+pub async fn flush_cache(State(engine): State<Arc<Engine>>) -> Response {
+    engine.cache.clear();
+    if let Some(events) = &engine.events {
+        events.cleared();
+    }
     "Cache flushed.".into_response()
 }

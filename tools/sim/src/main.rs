@@ -5,6 +5,7 @@
 mod chat;
 mod control;
 mod engine;
+mod events;
 mod info;
 mod kv;
 mod loads;
@@ -23,7 +24,32 @@ use crate::engine::{Args, Engine};
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
-    let engine = Arc::new(Engine::new(&args));
+    let mut engine = Engine::new(&args);
+    if let Some(tokenizer) = &args.tokenizer {
+        let template = args.chat_template.clone().unwrap_or_else(|| tokenizer.with_file_name("tokenizer_config.json"));
+        match sgl_indexer::tokenize::ModelTokenizer::load(tokenizer, &template) {
+            Ok(t) => engine.tokenizer = Some(t),
+            Err(e) => {
+                eprintln!("sgl-sim: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    if let Some(endpoint) = &args.kv_events {
+        if engine.tokenizer.is_none() {
+            eprintln!("sgl-sim: --kv-events needs --tokenizer (events carry real token ids)");
+            std::process::exit(2);
+        }
+        let page = engine.cache.page_tokens();
+        match events::Publisher::start(endpoint, args.kv_events_replay.as_deref(), page).await {
+            Ok(p) => engine.events = Some(p),
+            Err(e) => {
+                eprintln!("sgl-sim: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let engine = Arc::new(engine);
     let engine_id = HeaderValue::from_str(&args.id).unwrap_or(HeaderValue::from_static("invalid-id"));
 
     let app = Router::new()
