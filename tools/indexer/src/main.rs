@@ -20,7 +20,7 @@ struct Args {
     config: PathBuf,
     #[arg(long, default_value = "127.0.0.1:9100")]
     listen: SocketAddr,
-    /// Engine pages kept across all models (about 100 bytes each); the oldest go first.
+    /// Engine pages kept across all models (about 190 bytes each); the oldest go first.
     #[arg(long, default_value_t = DEFAULT_MAX_PAGES)]
     max_pages: usize,
 }
