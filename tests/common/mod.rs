@@ -442,18 +442,8 @@ pub fn send_with(a: &ureq::Agent, url: &str, method: &str, body: Option<&Value>,
             }
             req.call()
         }
-        ("PUT", body) => {
-            let mut req = a.put(url);
-            for (k, v) in headers {
-                req = req.header(*k, *v);
-            }
-            match body {
-                Some(b) => req.header("content-type", "application/json").send(b.to_string()),
-                None => req.send_empty(),
-            }
-        }
         (_, body) => {
-            let mut req = a.post(url);
+            let mut req = if method == "PUT" { a.put(url) } else { a.post(url) };
             for (k, v) in headers {
                 req = req.header(*k, *v);
             }
