@@ -135,23 +135,33 @@ impl ModelTokenizer {
     }
 
     /// `text` cut at added tokens: `(piece, Some(id))` for an added token, `(piece, None)` between.
+    /// Each added token's next occurrence is searched once and kept until the cut passes it, so a
+    /// long prompt is scanned about once per added token, not once per piece.
     fn pieces<'t>(&self, text: &'t str) -> Vec<(&'t str, Option<u32>)> {
         let mut out = Vec::new();
-        let (mut start, mut i) = (0, 0);
-        let bytes = text.as_bytes();
-        while i < bytes.len() {
-            let found = self.specials.iter().find(|(s, _)| text[i..].starts_with(s.as_str()));
-            match found {
-                Some((s, id)) => {
-                    if start < i {
-                        out.push((&text[start..i], None));
-                    }
-                    out.push((&text[i..i + s.len()], Some(*id)));
-                    i += s.len();
-                    start = i;
+        let mut next: Vec<Option<usize>> = self.specials.iter().map(|(s, _)| text.find(s.as_str())).collect();
+        let mut start = 0;
+        loop {
+            // The earliest occurrence; at one position the longest added token (they are sorted
+            // longest first, so the first found wins a tie).
+            let mut best: Option<(usize, usize)> = None;
+            for (i, pos) in next.iter_mut().enumerate() {
+                if pos.is_some_and(|p| p < start) {
+                    *pos = text[start..].find(self.specials[i].0.as_str()).map(|p| p + start);
                 }
-                None => i += text[i..].chars().next().map_or(1, char::len_utf8),
+                if let Some(p) = *pos {
+                    if best.is_none_or(|(bp, _)| p < bp) {
+                        best = Some((p, i));
+                    }
+                }
             }
+            let Some((pos, i)) = best else { break };
+            let (special, id) = &self.specials[i];
+            if start < pos {
+                out.push((&text[start..pos], None));
+            }
+            out.push((&text[pos..pos + special.len()], Some(*id)));
+            start = pos + special.len();
         }
         if start < text.len() {
             out.push((&text[start..], None));
