@@ -32,6 +32,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_ports(n):
+    """`n` distinct ports free right now (held open together, so none is handed out twice)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def start(name, cmd, env=None):
     out = open(RUN / f"{name}.log", "w")
     p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=RUN)
