@@ -146,3 +146,63 @@ fn a_prefix_an_engine_reports_draws_its_requests_until_the_engine_drops_it() {
     assert_eq!(d.chat(&ask("after the flush?")).status, 200);
     assert_eq!(misses(&d), before + 1.0, "the flushed prefix no longer counts as cached on B");
 }
+
+/// Four publishing engines behind `source: remote` at the defaults (1,024-token minimum hit).
+fn four_publishing(name: &str, indexer_port: u16) -> Deployment {
+    let engines: Vec<(SimSpec, u16, u16)> = ["A", "B", "C", "D"].iter().map(|id| publishing(id)).collect();
+    let ports: Vec<(u16, u16)> = engines.iter().map(|(_, e, r)| (*e, *r)).collect();
+    Deployment::start(name, engines.into_iter().map(|(s, _, _)| s).collect(), |sims| {
+        let mut router = precise_router(sims, indexer_port);
+        for (w, (events, replay)) in ports.iter().enumerate() {
+            router["workers"][w]["kv_events"] = json!(format!("tcp://127.0.0.1:{events}"));
+            router["workers"][w]["kv_events_replay"] = json!(format!("tcp://127.0.0.1:{replay}"));
+        }
+        router["models"]["demo-model"]["buckets"] =
+            json!([{"id": "all", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]);
+        router
+    })
+}
+
+/// A prefix no engine has seen: about 4k tokens of text unique to this run.
+fn new_prefix() -> String {
+    let nonce = now_unix_ms();
+    (0..140).map(|i| format!("clause {i} of contract {nonce} binds the parties. ")).collect()
+}
+
+#[test]
+fn a_burst_sharing_a_new_prefix_lands_on_one_engine() {
+    let indexer_port = free_port();
+    let d = four_publishing("precise_burst", indexer_port);
+    let _indexer = start_indexer(&d.dir, indexer_port);
+    d.wait_for_service(4);
+    let prefix = new_prefix();
+    let body = |i: usize| {
+        json!({"model": "demo-model", "max_tokens": 4, "stream": false, "messages": [
+            {"role": "system", "content": prefix},
+            {"role": "user", "content": format!("question {i}: what does clause {i} say?")}]})
+    };
+    let counted = send(&format!("http://127.0.0.1:{indexer_port}/v1/prefix/match"), "POST", Some(&body(0)), &[]);
+    let tokens = counted.json()["input_tokens"].as_u64().unwrap();
+    assert!(tokens >= 4000, "the premise: a 4k-token prefix, got {tokens}");
+    // All twenty at once, on connections of their own, so Envoy's two worker VMs share them.
+    let barrier = std::sync::Barrier::new(20);
+    let engines: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..20)
+            .map(|i| {
+                let (d, barrier, body) = (&d, &barrier, body(i));
+                s.spawn(move || {
+                    let client = agent();
+                    barrier.wait();
+                    let r = d.chat_on(&client, &body, &[]);
+                    assert_eq!(r.status, 200, "{}", r.body);
+                    r.header("x-sgl-worker").unwrap().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let first = &engines[0];
+    let metrics = send(&format!("http://127.0.0.1:{indexer_port}/metrics"), "GET", None, &[]).body;
+    let indexer: Vec<&str> = metrics.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(engines.iter().all(|e| e == first), "the burst scattered: {engines:?}\n{indexer:#?}");
+}

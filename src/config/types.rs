@@ -277,6 +277,22 @@ pub struct ModelConfig {
     pub buckets: Vec<BucketConfig>,
 }
 
+impl ModelConfig {
+    /// Every `cache_aware` policy of this model, in every bucket and role.
+    pub fn cache_aware_policies(&self) -> impl Iterator<Item = &CacheAwareConfig> {
+        self.buckets
+            .iter()
+            .flat_map(|b| match &b.groups {
+                GroupsConfig::Plain(g) => vec![g],
+                GroupsConfig::Pd(pd) => vec![&pd.prefill, &pd.decode],
+            })
+            .filter_map(|g| match &g.policy {
+                PolicyConfig::CacheAware(c) => Some(c.as_ref()),
+                _ => None,
+            })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BucketConfig {

@@ -225,21 +225,10 @@ pub fn indexer_client(config: &RouterConfig, callouts: Arc<dyn crate::host::Call
 pub fn prefix_budgets(config: &RouterConfig) -> Budgets {
     let mut budgets = HashMap::new();
     for (name, model) in &config.models {
-        for b in &model.buckets {
-            let groups: Vec<&GroupConfig> = match &b.groups {
-                GroupsConfig::Plain(g) => vec![g],
-                GroupsConfig::Pd(pd) => vec![&pd.prefill, &pd.decode],
-            };
-            for g in groups {
-                if let PolicyConfig::CacheAware(c) = &g.policy {
-                    if c.source == CacheSourceKind::Remote {
-                        continue;
-                    }
-                    let bytes = c.max_tree_tokens.saturating_mul(config.tokens.bytes_per_token);
-                    let entry = budgets.entry(name.clone()).or_insert(0u64);
-                    *entry = (*entry).max(bytes);
-                }
-            }
+        for c in model.cache_aware_policies().filter(|c| c.source == CacheSourceKind::Local) {
+            let bytes = c.max_tree_tokens.saturating_mul(config.tokens.bytes_per_token);
+            let entry = budgets.entry(name.clone()).or_insert(0u64);
+            *entry = (*entry).max(bytes);
         }
     }
     Budgets(budgets)

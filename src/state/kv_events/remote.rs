@@ -112,7 +112,12 @@ impl IndexerClient {
             method: "POST".to_string(),
             path: "/v1/prefix/match".to_string(),
             authority: self.authority.clone(),
-            headers: vec![("content-type".to_string(), "application/json".to_string())],
+            // Every decision on an answer sends a routed notice, so the indexer may hold concurrent
+            // queries sharing this prefix until it arrives.
+            headers: vec![
+                ("content-type".to_string(), "application/json".to_string()),
+                ("x-sgl-routed-notice".to_string(), "1".to_string()),
+            ],
             body: Some(body.to_vec()),
             timeout_ms: self.timeout_ms,
         };

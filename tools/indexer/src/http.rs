@@ -64,7 +64,15 @@ struct Query {
     cache_salt: Option<String>,
 }
 
-async fn query(State(app): State<Arc<App>>, body: Bytes) -> Response {
+/// A caller that sends a routed notice after every decision says so with this header; only its
+/// matches open claims (see `claims`).
+pub const WILL_NOTIFY_HEADER: &str = "x-sgl-routed-notice";
+
+fn will_notify(headers: &HeaderMap) -> bool {
+    headers.get(WILL_NOTIFY_HEADER).is_some_and(|v| v.as_bytes() == b"1")
+}
+
+async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let q: Query = match serde_json::from_slice(&body) {
         Ok(q) => q,
         Err(e) => return error(&app, StatusCode::BAD_REQUEST, format!("not a query: {e}")),
@@ -72,13 +80,14 @@ async fn query(State(app): State<Arc<App>>, body: Bytes) -> Response {
     if !app.serves(&q.model) {
         return error(&app, StatusCode::NOT_FOUND, format!("model `{}` is not configured", q.model));
     }
-    match app.match_tokens(&q.model, &q.token_ids, q.lora_name.as_deref(), q.cache_salt.as_deref()) {
+    let (lora, salt) = (q.lora_name.as_deref(), q.cache_salt.as_deref());
+    match app.match_tokens(&q.model, &q.token_ids, lora, salt, will_notify(&headers)).await {
         Some((matches, handle)) => Json(json!({"data": data(&matches), "handle": handle.to_string()})).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{}` has no index", q.model)),
     }
 }
 
-async fn prefix_match(State(app): State<Arc<App>>, body: Bytes) -> Response {
+async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let chat: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
         Ok(_) => return error(&app, StatusCode::BAD_REQUEST, "the body must be a JSON object"),
@@ -87,13 +96,21 @@ async fn prefix_match(State(app): State<Arc<App>>, body: Bytes) -> Response {
     let Some(model) = chat.get("model").and_then(Value::as_str).map(str::to_string) else {
         return error(&app, StatusCode::BAD_REQUEST, "`model` is required");
     };
-    let tokens = match app.tokenize_chat(&model, &chat) {
-        Ok(t) => t,
-        Err(e) => return error(&app, e.status(), e.to_string()),
+    // Tokenizing is CPU work: off the async workers, so events and routed notices keep flowing.
+    let (worker_app, worker_model) = (Arc::clone(&app), model.clone());
+    let tokenized = tokio::task::spawn_blocking(move || {
+        let tokens = worker_app.tokenize_chat(&worker_model, &chat);
+        (tokens, chat)
+    })
+    .await;
+    let (tokens, chat) = match tokenized {
+        Ok((Ok(t), chat)) => (t, chat),
+        Ok((Err(e), _)) => return error(&app, e.status(), e.to_string()),
+        Err(e) => return error(&app, StatusCode::INTERNAL_SERVER_ERROR, format!("tokenizer task failed: {e}")),
     };
     let salt = chat.get("cache_salt").and_then(Value::as_str);
     let lora = chat.get("lora_path").and_then(Value::as_str);
-    match app.match_tokens(&model, &tokens, lora, salt) {
+    match app.match_tokens(&model, &tokens, lora, salt, will_notify(&headers)).await {
         Some((matches, handle)) => Json(json!({
             "input_tokens": tokens.len(),
             "data": data(&matches),

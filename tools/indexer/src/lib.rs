@@ -7,8 +7,10 @@
 //! Glossary: an engine *page* is what one of its events names (one block hash); a *block* is the
 //! indexer's `block_tokens`-token unit of matching; a *holder* is an engine rank and medium that
 //! holds a block; *speculative* entries are blocks a router just sent to an engine, counted until
-//! the engine's own event confirms them or they expire.
+//! the engine's own event confirms them or they expire; a *claim* is a match whose routed notice
+//! is still to come, which concurrent queries sharing its prefix wait for (`claims`).
 
+pub mod claims;
 pub mod events;
 pub mod http;
 pub mod index;

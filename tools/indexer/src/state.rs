@@ -4,11 +4,12 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use sgl_envoy_router::config::RouterConfig;
+use sgl_envoy_router::config::{CacheSourceKind, RouterConfig};
 
+use crate::claims::{Claims, Turn};
 use crate::events::EventBatch;
 use crate::index::{block_keys, EngineMatch, Index};
 use crate::tokenize::{ModelTokenizer, TokenizeError};
@@ -21,6 +22,12 @@ pub const SPECULATIVE_TTL_MS: u64 = 2_000;
 const HANDLES: usize = 4096;
 /// Blocks one routed notice may add.
 pub const MAX_ROUTED_BLOCKS: usize = 1 << 14;
+
+/// How long a claim may hold the queries sharing its prefix when its notice is late: half the
+/// filter's `timeout_ms`, so a held query still answers before the filter gives up on it.
+fn claim_window_ms(config: &RouterConfig) -> u64 {
+    config.prefix_index.as_ref().map_or(25, |p| p.timeout_ms / 2)
+}
 
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -43,6 +50,8 @@ pub struct Stats {
     pub misses: AtomicU64,
     pub routed_notices: AtomicU64,
     pub routed_refused: AtomicU64,
+    pub claim_waits: AtomicU64,
+    pub claim_waits_unrouted: AtomicU64,
 }
 
 macro_rules! counter {
@@ -58,11 +67,15 @@ macro_rules! counter {
 counter!(subscribed => subscribed, malformed => malformed, gaps => gaps, replayed => replayed,
          unrepaired => unrepaired, restarts => restarts);
 
+/// A recent match a routed notice can name: (handle, model, block keys).
+type Handle = (u64, String, Arc<[u64]>);
+
 pub struct App {
     pub block_tokens: u32,
     indexes: Mutex<HashMap<String, Index>>,
     worker_model: HashMap<String, String>,
-    handles: Mutex<VecDeque<(u64, String, Vec<u64>)>>,
+    handles: Mutex<VecDeque<Handle>>,
+    claims: Claims,
     tokenizers: HashMap<String, ModelTokenizer>,
     next_handle: AtomicU64,
     pub stats: Stats,
@@ -103,7 +116,17 @@ impl App {
         let per_model = max_pages / config.models.len().max(1);
         let indexes = config.models.keys().map(|m| (m.clone(), Index::new(block_tokens, per_model))).collect();
         let worker_model = config.workers.iter().map(|w| (w.id.clone(), w.model.clone())).collect();
+        // A claim matters only to policies reading this index, and only by a gain they count as a hit.
+        let min_gain = config
+            .models
+            .iter()
+            .filter_map(|(name, m)| {
+                let remote = m.cache_aware_policies().filter(|c| c.source == CacheSourceKind::Remote);
+                remote.map(|c| c.min_hit_tokens.max(u64::from(block_tokens))).min().map(|g| (name.clone(), g))
+            })
+            .collect();
         Self {
+            claims: Claims::new(claim_window_ms(&config), block_tokens, min_gain),
             block_tokens,
             indexes: Mutex::new(indexes),
             worker_model,
@@ -145,22 +168,42 @@ impl App {
         self.worker_model.get(worker).map(String::as_str)
     }
 
+    fn matches(&self, model: &str, keys: &[u64]) -> Option<Vec<(String, EngineMatch)>> {
+        let now = now_ms();
+        self.with_index(model, |index| {
+            index.expire_speculative(now);
+            index.match_keys(keys, now)
+        })
+    }
+
     /// Matches `tokens` in `model`'s namespace; returns every engine's match and a handle a routed
-    /// notice can name.
-    pub fn match_tokens(
+    /// notice can name. A caller that `will_notify` claims what its match left uncovered (see
+    /// `claims`); a query that an open claim would serve better waits for that claim's notice.
+    pub async fn match_tokens(
         &self,
         model: &str,
         tokens: &[u32],
         lora: Option<&str>,
         salt: Option<&str>,
+        will_notify: bool,
     ) -> Option<(Vec<(String, EngineMatch)>, u64)> {
         self.stats.queries.fetch_add(1, Ordering::Relaxed);
-        let keys = block_keys(tokens, self.block_tokens, lora, salt);
-        let now = now_ms();
-        let matches = self.with_index(model, |index| {
-            index.expire_speculative(now);
-            index.match_keys(&keys, now)
-        })?;
+        let keys: Arc<[u64]> = block_keys(tokens, self.block_tokens, lora, salt).into();
+        let mut matches = self.matches(model, &keys)?;
+        let best = |m: &[(String, EngineMatch)]| m.first().map_or(0, |(_, m)| m.matched_tokens);
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let claim_as = will_notify.then_some(handle);
+        if let Turn::Wait { mut routed, until_ms } =
+            self.claims.turn(model, &keys, best(&matches), claim_as, true, now_ms())
+        {
+            self.stats.claim_waits.fetch_add(1, Ordering::Relaxed);
+            let window = Duration::from_millis(until_ms.saturating_sub(now_ms()));
+            if !matches!(tokio::time::timeout(window, routed.wait_for(|r| *r)).await, Ok(Ok(_))) {
+                self.stats.claim_waits_unrouted.fetch_add(1, Ordering::Relaxed);
+            }
+            matches = self.matches(model, &keys)?;
+            self.claims.turn(model, &keys, best(&matches), claim_as, false, now_ms());
+        }
         match matches.first() {
             None => self.stats.misses.fetch_add(1, Ordering::Relaxed),
             Some((_, m)) if m.confirmed_tokens >= m.matched_tokens => {
@@ -168,7 +211,6 @@ impl App {
             }
             Some(_) => self.stats.hits_speculative.fetch_add(1, Ordering::Relaxed),
         };
-        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut handles) = self.handles.lock() {
             handles.push_back((handle, model.to_string(), keys));
             while handles.len() > HANDLES {
@@ -182,16 +224,18 @@ impl App {
     /// (expired) or the worker does not serve that model.
     pub fn routed(&self, handle: u64, worker: &str) -> bool {
         let found = self.handles.lock().ok().and_then(|h| {
-            h.iter().find(|(id, _, _)| *id == handle).map(|(_, model, keys)| (model.clone(), keys.clone()))
+            h.iter().find(|(id, _, _)| *id == handle).map(|(_, model, keys)| (model.clone(), Arc::clone(keys)))
         });
-        let Some((model, mut keys)) = found else { return false };
+        let Some((model, keys)) = found else { return false };
         if self.worker_model(worker) != Some(model.as_str()) {
             return false;
         }
-        keys.truncate(MAX_ROUTED_BLOCKS);
+        let keys = &keys[..keys.len().min(MAX_ROUTED_BLOCKS)];
         let until = now_ms() + SPECULATIVE_TTL_MS;
         self.stats.routed_notices.fetch_add(1, Ordering::Relaxed);
-        self.with_index(&model, |index| index.add_speculative(worker, &keys, until)).is_some()
+        let applied = self.with_index(&model, |index| index.add_speculative(worker, keys, until)).is_some();
+        self.claims.routed(handle);
+        applied
     }
 
     /// Prometheus text.
@@ -227,6 +271,24 @@ impl App {
         line("sgl_indexer_misses_total", "queries no engine matched", "counter", load(&s.misses));
         line("sgl_indexer_routed_notices_total", "routed notices applied", "counter", load(&s.routed_notices));
         line("sgl_indexer_routed_refused_total", "routed notices refused", "counter", load(&s.routed_refused));
+        line(
+            "sgl_indexer_claim_waits_total",
+            "queries that waited for a concurrent match sharing their prefix to be routed",
+            "counter",
+            load(&s.claim_waits),
+        );
+        line(
+            "sgl_indexer_claim_waits_unrouted_total",
+            "claim waits that ended without the routed notice",
+            "counter",
+            load(&s.claim_waits_unrouted),
+        );
+        line(
+            "sgl_indexer_claims_open",
+            "matches claimed and not yet routed",
+            "gauge",
+            self.claims.open(now_ms()) as u64,
+        );
         out.push_str("# HELP sgl_indexer_blocks engine pages held, per engine\n# TYPE sgl_indexer_blocks gauge\n");
         if let Ok(indexes) = self.indexes.lock() {
             for index in indexes.values() {

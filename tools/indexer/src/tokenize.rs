@@ -4,11 +4,13 @@
 //! What repeats is not tokenized again. A Hugging Face tokenizer cuts its input at added (special)
 //! tokens first and encodes the pieces between them independently, and chat templates put special
 //! tokens between turns; so the rendered prompt is cut the same way here, each piece's ids are
-//! cached by its text, and a shared system prompt or an earlier turn costs a hash lookup.
+//! cached by its text, and a shared system prompt or an earlier turn costs a hash lookup. A piece
+//! that concurrent requests bring at once (a burst sharing a new prefix) is encoded by the first
+//! of them while the others wait for its ids.
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 
 use axum::http::StatusCode;
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
@@ -51,7 +53,38 @@ pub struct ModelTokenizer {
     specials: Vec<(String, u32)>,
     bos: String,
     eos: String,
-    cache: Mutex<HashMap<String, Vec<u32>>>,
+    cache: Mutex<HashMap<String, Piece>>,
+}
+
+/// A cached piece: its ids, or the encoding another request is doing.
+enum Piece {
+    Ready(Arc<[u32]>),
+    Encoding(Arc<Encoding>),
+}
+
+#[derive(Default)]
+struct Encoding {
+    done: Mutex<Option<Result<Arc<[u32]>, String>>>,
+    ready: Condvar,
+}
+
+impl Encoding {
+    fn wait(&self) -> Result<Arc<[u32]>, TokenizeError> {
+        let mut done = self.done.lock().map_err(|_| TokenizeError::Tokenizer("piece cache poisoned".into()))?;
+        loop {
+            if let Some(result) = done.as_ref() {
+                return result.clone().map_err(TokenizeError::Tokenizer);
+            }
+            done = self.ready.wait(done).map_err(|_| TokenizeError::Tokenizer("piece cache poisoned".into()))?;
+        }
+    }
+
+    fn finish(&self, result: Result<Arc<[u32]>, String>) {
+        if let Ok(mut done) = self.done.lock() {
+            *done = Some(result);
+        }
+        self.ready.notify_all();
+    }
 }
 
 /// A template's `raise_exception('...')`, as Hugging Face's renderer provides it.
@@ -173,29 +206,45 @@ impl ModelTokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         let mut ids = Vec::with_capacity(text.len() / 3);
         for (piece, special) in self.pieces(text) {
-            if let Some(id) = special {
-                ids.push(id);
-                continue;
+            match special {
+                Some(id) => ids.push(id),
+                None => ids.extend_from_slice(&self.piece_ids(piece)?),
             }
-            if let Some(cached) = self.cache.lock().ok().and_then(|c| c.get(piece).cloned()) {
-                ids.extend(cached);
-                continue;
-            }
-            let encoded = self
-                .tokenizer
-                .encode_fast(piece, false)
-                .map_err(|e| TokenizeError::Tokenizer(e.to_string()))?
-                .get_ids()
-                .to_vec();
-            if let Ok(mut cache) = self.cache.lock() {
-                if cache.len() >= CACHED_PIECES {
-                    cache.clear();
-                }
-                cache.insert(piece.to_string(), encoded.clone());
-            }
-            ids.extend(encoded);
         }
         Ok(ids)
+    }
+
+    /// One piece's ids: cached, being encoded by another request (wait for it), or encoded here.
+    fn piece_ids(&self, piece: &str) -> Result<Arc<[u32]>, TokenizeError> {
+        let encoding = {
+            let mut cache = self.cache.lock().map_err(|_| TokenizeError::Tokenizer("piece cache poisoned".into()))?;
+            match cache.get(piece) {
+                Some(Piece::Ready(ids)) => return Ok(Arc::clone(ids)),
+                Some(Piece::Encoding(other)) => {
+                    let other = Arc::clone(other);
+                    drop(cache);
+                    return other.wait();
+                }
+                None => {
+                    if cache.len() >= CACHED_PIECES {
+                        cache.retain(|_, p| matches!(p, Piece::Encoding(_)));
+                    }
+                    let mine = Arc::new(Encoding::default());
+                    cache.insert(piece.to_string(), Piece::Encoding(Arc::clone(&mine)));
+                    mine
+                }
+            }
+        };
+        let result: Result<Arc<[u32]>, String> =
+            self.tokenizer.encode_fast(piece, false).map(|e| e.get_ids().into()).map_err(|e| e.to_string());
+        if let Ok(mut cache) = self.cache.lock() {
+            match &result {
+                Ok(ids) => cache.insert(piece.to_string(), Piece::Ready(Arc::clone(ids))),
+                Err(_) => cache.remove(piece),
+            };
+        }
+        encoding.finish(result.clone());
+        result.map_err(TokenizeError::Tokenizer)
     }
 
     /// The whole prompt tokenized at once, without the cache: what the cache must equal.
@@ -258,6 +307,20 @@ mod tests {
             assert_eq!(t.encode(&text).unwrap(), whole, "first, uncached pieces: {text:?}");
             assert_eq!(t.encode(&text).unwrap(), whole, "second, from the cache");
         }
+    }
+
+    #[test]
+    fn concurrent_requests_bringing_one_new_piece_share_one_encoding() {
+        let t = shipped();
+        let text = format!("<|im_start|>system\n{}<|im_end|>\n", "a new shared prefix arrives in a burst ".repeat(300));
+        let whole = t.encode_uncached(&text).unwrap();
+        let results: Vec<Vec<u32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8).map(|_| s.spawn(|| t.encode(&text).unwrap())).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(results.iter().all(|ids| *ids == whole));
+        let cache = t.cache.lock().unwrap();
+        assert!(cache.values().all(|p| matches!(p, Piece::Ready(_))), "no encoding left pending");
     }
 
     #[test]

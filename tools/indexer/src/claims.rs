@@ -1,0 +1,153 @@
+//! Claims: matches still being routed. Between a router's match call and its routed notice there
+//! is a short window in which the blocks it is about to send belong to no engine; concurrent
+//! requests sharing a new prefix would all miss in it and scatter. A router that promises a notice
+//! claims what its match left uncovered; a query that would gain enough from that claim waits for
+//! the notice (never past the claim's window) and matches again, finding the speculative entries.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+#[derive(Debug)]
+struct Claim {
+    handle: u64,
+    keys: Arc<[u64]>,
+    until_ms: u64,
+    routed: watch::Sender<bool>,
+}
+
+/// What a query does next.
+#[derive(Debug)]
+pub enum Turn {
+    /// A claim would cover more: wait for its notice until `until_ms`, then match again.
+    Wait {
+        routed: watch::Receiver<bool>,
+        until_ms: u64,
+    },
+    Go,
+}
+
+#[derive(Debug)]
+pub struct Claims {
+    window_ms: u64,
+    block_tokens: u64,
+    /// Per model, the least gain worth waiting for (the smallest `min_hit_tokens` of its remote
+    /// cache-aware policies); models without one never claim.
+    min_gain: HashMap<String, u64>,
+    open: Mutex<HashMap<String, Vec<Claim>>>,
+}
+
+impl Claims {
+    pub fn new(window_ms: u64, block_tokens: u32, min_gain: HashMap<String, u64>) -> Self {
+        Self { window_ms, block_tokens: u64::from(block_tokens.max(1)), min_gain, open: Mutex::default() }
+    }
+
+    /// `best_tokens` is what the index already matched for `keys`. A query waits on the open claim
+    /// that shares the most with it if that beats `best_tokens` by the model's gain (when it
+    /// `may_wait`); otherwise, when it `claims_as` a handle and leaves that much uncovered, it
+    /// opens its own claim. Checking and claiming under one lock puts concurrent queries in order.
+    pub fn turn(
+        &self,
+        model: &str,
+        keys: &Arc<[u64]>,
+        best_tokens: u64,
+        claims_as: Option<u64>,
+        may_wait: bool,
+        now_ms: u64,
+    ) -> Turn {
+        let Some(&gain) = self.min_gain.get(model) else { return Turn::Go };
+        let Ok(mut open) = self.open.lock() else { return Turn::Go };
+        let claims = open.entry(model.to_string()).or_default();
+        claims.retain(|c| c.until_ms > now_ms);
+        if may_wait {
+            let shared = |c: &Claim| c.keys.iter().zip(keys.iter()).take_while(|(a, b)| a == b).count() as u64;
+            let best_claim = claims.iter().map(|c| (shared(c) * self.block_tokens, c)).max_by_key(|(s, _)| *s);
+            if let Some((shared_tokens, claim)) = best_claim {
+                if shared_tokens >= best_tokens.saturating_add(gain) {
+                    return Turn::Wait { routed: claim.routed.subscribe(), until_ms: claim.until_ms };
+                }
+            }
+        }
+        let uncovered = (keys.len() as u64 * self.block_tokens).saturating_sub(best_tokens);
+        if let Some(handle) = claims_as.filter(|_| uncovered >= gain) {
+            let (routed, _) = watch::channel(false);
+            claims.push(Claim { handle, keys: Arc::clone(keys), until_ms: now_ms + self.window_ms, routed });
+        }
+        Turn::Go
+    }
+
+    /// The notice for `handle` arrived (its speculative entries are in): wake whoever waits on it.
+    pub fn routed(&self, handle: u64) {
+        let Ok(mut open) = self.open.lock() else { return };
+        for claims in open.values_mut() {
+            if let Some(i) = claims.iter().position(|c| c.handle == handle) {
+                let claim = claims.swap_remove(i);
+                claim.routed.send_replace(true);
+                return;
+            }
+        }
+    }
+
+    /// Claims open now, across models (for `/metrics`).
+    pub fn open(&self, now_ms: u64) -> usize {
+        self.open.lock().map(|o| o.values().flatten().filter(|c| c.until_ms > now_ms).count()).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claims() -> Claims {
+        Claims::new(20, 16, HashMap::from([("m".to_string(), 64)]))
+    }
+
+    fn keys(range: std::ops::Range<u64>) -> Arc<[u64]> {
+        range.collect::<Vec<_>>().into()
+    }
+
+    #[test]
+    fn a_query_sharing_enough_with_an_open_claim_waits_for_its_notice() {
+        let c = claims();
+        assert!(matches!(c.turn("m", &keys(0..100), 0, Some(1), true, 1000), Turn::Go));
+        // Shares 10 blocks = 160 tokens with claim 1, beyond its own (empty) match by ≥ 64.
+        let Turn::Wait { routed, until_ms } = c.turn("m", &keys(0..10), 0, Some(2), true, 1001) else {
+            panic!("expected to wait")
+        };
+        assert_eq!(until_ms, 1020);
+        assert!(!*routed.borrow());
+        c.routed(1);
+        assert!(*routed.borrow(), "the notice wakes the waiter");
+        assert_eq!(c.open(1001), 0, "a routed claim closes");
+    }
+
+    #[test]
+    fn small_gains_claims_past_their_window_and_other_models_do_not_hold_anyone() {
+        let c = claims();
+        assert!(matches!(c.turn("m", &keys(0..100), 0, Some(1), true, 1000), Turn::Go));
+        // Already matched 120 of the 160 shared tokens: a 40-token gain is not worth the wait.
+        assert!(matches!(c.turn("m", &keys(0..10), 120, None, true, 1001), Turn::Go));
+        // Diverges at the first block: shares nothing.
+        assert!(matches!(c.turn("m", &keys(500..510), 0, None, true, 1001), Turn::Go));
+        // A model without a remote cache-aware policy never claims or waits.
+        assert!(matches!(c.turn("other", &keys(0..100), 0, Some(3), true, 1001), Turn::Go));
+        // The window passes without a notice.
+        assert!(matches!(c.turn("m", &keys(0..10), 0, None, true, 1020), Turn::Go));
+        assert_eq!(c.open(1020), 0);
+    }
+
+    #[test]
+    fn only_a_promised_notice_opens_a_claim_and_only_for_enough_uncovered_tokens() {
+        let c = claims();
+        // No handle (the caller sends no notice): nothing to wait for later.
+        assert!(matches!(c.turn("m", &keys(0..100), 0, None, true, 1000), Turn::Go));
+        assert_eq!(c.open(1000), 0);
+        // 100 blocks, 1,580 of 1,600 tokens matched: too little left to claim.
+        assert!(matches!(c.turn("m", &keys(0..100), 1580, Some(1), true, 1000), Turn::Go));
+        assert_eq!(c.open(1000), 0);
+        // A query that may not wait (it already waited once) may still claim.
+        assert!(matches!(c.turn("m", &keys(0..100), 0, Some(2), false, 1000), Turn::Go));
+        assert_eq!(c.open(1000), 1);
+    }
+}
