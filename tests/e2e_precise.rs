@@ -1,7 +1,8 @@
 //! Precise prefix routing through real Envoy (spec §7): the filter asks `sgl-indexer` once per
 //! request; exact token counts choose the bucket where the byte estimate would choose another; a
 //! stopped indexer costs nothing but precision (the estimate returns, no request fails or waits
-//! past the timeout), and precision returns with it.
+//! past the timeout), and precision returns with it. Engines' own events steer requests (a
+//! CPU-held prefix counting below a GPU-held one), and a burst sharing a new prefix stays together.
 
 #![cfg(not(target_arch = "wasm32"))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -102,21 +103,53 @@ fn ask(question: &str) -> Value {
            "messages": [{"role": "system", "content": system_prompt()}, {"role": "user", "content": question}]})
 }
 
-#[test]
-fn a_prefix_an_engine_reports_draws_its_requests_until_the_engine_drops_it() {
-    let indexer_port = free_port();
-    let (a, a_events, a_replay) = publishing("A");
-    let (b, b_events, b_replay) = publishing("B");
-    let d = Deployment::start("precise_events", vec![a, b], |sims| {
+/// Two publishing engines, A and B, routed by `source: remote` with a 64-token minimum hit.
+fn two_publishing(name: &str, indexer_port: u16, a: (SimSpec, u16, u16), b: (SimSpec, u16, u16)) -> Deployment {
+    let ports = [(a.1, a.2), (b.1, b.2)];
+    Deployment::start(name, vec![a.0, b.0], |sims| {
         let mut router = precise_router(sims, indexer_port);
-        for (w, (events, replay)) in [(0, (a_events, a_replay)), (1, (b_events, b_replay))] {
+        for (w, (events, replay)) in ports.iter().enumerate() {
             router["workers"][w]["kv_events"] = json!(format!("tcp://127.0.0.1:{events}"));
             router["workers"][w]["kv_events_replay"] = json!(format!("tcp://127.0.0.1:{replay}"));
         }
         router["models"]["demo-model"]["buckets"] = json!([{"id": "all", "groups": {"plain": {"policy": {
             "type": "cache_aware", "source": "remote", "min_hit_tokens": 64}}}}]);
         router
+    })
+}
+
+#[test]
+fn a_prefix_held_in_cpu_memory_counts_below_one_held_in_gpu_memory() {
+    let indexer_port = free_port();
+    let mut b = publishing("B");
+    b.0.extra.extend(["--kv-events-medium".to_string(), "CPU_PINNED".to_string()]);
+    let d = two_publishing("precise_tiers", indexer_port, publishing("A"), b);
+    let _indexer = start_indexer(&d.dir, indexer_port);
+    let match_url = format!("http://127.0.0.1:{indexer_port}/v1/prefix/match");
+    // A holds the system prompt in GPU memory; B holds it and a long question after it, in host memory.
+    let question = format!("Please check this log: {}", "worker B was idle, worker A was busy. ".repeat(12));
+    for (engine, body) in [("A", ask("a short one?")), ("B", ask(&question))] {
+        assert_eq!(send(&d.sim(engine).url("/v1/chat/completions"), "POST", Some(&body), &[]).status, 200);
+    }
+    let answer = wait_for("both engines' events in the index", Duration::from_secs(10), || {
+        let v = send(&match_url, "POST", Some(&ask(&question)), &[]).json();
+        (v["data"]["A"]["GPU"].as_u64()? > 0 && v["data"]["B"]["CPU_PINNED"].as_u64()? > 0).then_some(v)
     });
+    let (a, b) = (&answer["data"]["A"], &answer["data"]["B"]);
+    let (a_tokens, b_tokens) = (a["matched_tokens"].as_u64().unwrap(), b["matched_tokens"].as_u64().unwrap());
+    // The premise: B's match is the longer one, but less than twice A's.
+    assert!(b_tokens > a_tokens && b_tokens < 2 * a_tokens, "A {a} / B {b}");
+    assert_eq!(b["GPU"], 0, "B's blocks are in host memory only: {b}");
+    for i in 0..4 {
+        let r = d.chat(&ask(&question));
+        assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("A")), "request {i}: {}", r.body);
+    }
+}
+
+#[test]
+fn a_prefix_an_engine_reports_draws_its_requests_until_the_engine_drops_it() {
+    let indexer_port = free_port();
+    let d = two_publishing("precise_events", indexer_port, publishing("A"), publishing("B"));
     let _indexer = start_indexer(&d.dir, indexer_port);
     let match_url = format!("http://127.0.0.1:{indexer_port}/v1/prefix/match");
     // The prefix reaches B without the router: B's own events are all the indexer knows.

@@ -116,7 +116,15 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
             return error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", message);
         }
     }
-    let prompt = prompt_tokens(&body);
+    // The prompt as this engine counts it: the model's tokenizer when it has one (as a real
+    // engine), else the router's 4-byte estimate.
+    let (prompt_ids, prompt): (Vec<u64>, u64) = match engine.tokenizer.as_ref().map(|t| t.tokenize_chat(&body)) {
+        Some(Ok(ids)) => {
+            let n = ids.len() as u64;
+            (ids.into_iter().map(u64::from).collect(), n)
+        }
+        _ => (kv::tokenize(&prompt_text(&body)), prompt_tokens(&body)),
+    };
     let Some(mut slot) = engine.admit(prompt).await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
@@ -128,10 +136,6 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
 
     // Prefill: the uncached part of the prompt at the engine's throughput, one prefill at a
     // time; then the rooms are ready for their decode engines.
-    let prompt_ids: Vec<u64> = match engine.tokenizer.as_ref().map(|t| t.tokenize_chat(&body)) {
-        Some(Ok(ids)) => ids.into_iter().map(u64::from).collect(),
-        _ => kv::tokenize(&prompt_text(&body)),
-    };
     let cached = if engine.role == Role::Decode {
         prompt_ids.len() as u64
     } else {

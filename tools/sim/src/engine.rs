@@ -105,6 +105,10 @@ pub struct Args {
     /// Answers replay requests on this ZeroMQ ROUTER endpoint.
     #[arg(long)]
     pub kv_events_replay: Option<String>,
+    /// The medium the events name for this engine's cache: `CPU_PINNED` stands in for an engine
+    /// that holds its prefix cache in host memory (SGLang's HiCache).
+    #[arg(long, default_value = "GPU", value_parser = ["GPU", "CPU_PINNED", "DISK"])]
+    pub kv_events_medium: String,
 }
 
 /// Bytes per simulated token, as the router's default estimator counts.

@@ -22,6 +22,7 @@ type Buffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
 pub struct Publisher {
     tx: mpsc::UnboundedSender<Vec<Value>>,
     page: u64,
+    medium: String,
 }
 
 fn map(entries: Vec<(&str, Value)>) -> Value {
@@ -35,7 +36,7 @@ fn hash(h: u64) -> Value {
 
 impl Publisher {
     /// Binds the PUB (and replay ROUTER) sockets and starts the publishing task.
-    pub async fn start(endpoint: &str, replay: Option<&str>, page: u64) -> Result<Self, String> {
+    pub async fn start(endpoint: &str, replay: Option<&str>, page: u64, medium: &str) -> Result<Self, String> {
         let mut socket = PubSocket::new();
         socket.bind(endpoint).await.map_err(|e| format!("cannot bind {endpoint}: {e}"))?;
         let buffer: Buffer = Arc::default();
@@ -71,7 +72,7 @@ impl Publisher {
                 seq += 1;
             }
         });
-        Ok(Self { tx, page })
+        Ok(Self { tx, page, medium: medium.to_string() })
     }
 
     /// One batch for what a request stored and evicted.
@@ -86,7 +87,7 @@ impl Publisher {
                     ("parent_block_hash", p.parent.map_or(Value::Nil, hash)),
                     ("token_ids", Value::Array(p.tokens.iter().map(|t| Value::from(*t)).collect())),
                     ("block_size", Value::from(self.page)),
-                    ("medium", Value::from("GPU")),
+                    ("medium", Value::from(self.medium.as_str())),
                 ])
             })
             .collect();
@@ -94,7 +95,7 @@ impl Publisher {
             events.push(map(vec![
                 ("type", Value::from("BlockRemoved")),
                 ("block_hashes", Value::Array(served.evicted.iter().map(|h| hash(*h)).collect())),
-                ("medium", Value::from("GPU")),
+                ("medium", Value::from(self.medium.as_str())),
             ]));
         }
         if !events.is_empty() {

@@ -41,7 +41,7 @@ async fn main() -> std::io::Result<()> {
             std::process::exit(2);
         }
         let page = engine.cache.page_tokens();
-        match events::Publisher::start(endpoint, args.kv_events_replay.as_deref(), page).await {
+        match events::Publisher::start(endpoint, args.kv_events_replay.as_deref(), page, &args.kv_events_medium).await {
             Ok(p) => engine.events = Some(p),
             Err(e) => {
                 eprintln!("sgl-sim: {e}");
