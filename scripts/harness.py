@@ -32,6 +32,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_port_range(n, first=41000, last=60000):
+    """The first port of `n` consecutive ports free right now (for endpoints numbered base + i)."""
+    def free(port):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+    for base in range(first, last - n, n):
+        if all(free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def free_ports(n):
     """`n` distinct ports free right now (held open together, so none is handed out twice)."""
     socks = []
