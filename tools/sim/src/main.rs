@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use axum::http::HeaderValue;
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use clap::Parser;
 
@@ -92,7 +93,11 @@ async fn main() -> std::io::Result<()> {
     }
 
     let addr = SocketAddr::new(args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    // SGLang's server (uvicorn on asyncio) sets TCP_NODELAY on every connection; without it a
+    // streamed chunk written while an earlier one awaits a delayed ACK waits up to 40 ms.
+    let listener = tokio::net::TcpListener::bind(addr).await?.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     eprintln!("sgl-sim {} ({}, model {}) listening on {addr}", args.id, args.role.as_str(), args.model);
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
