@@ -246,49 +246,42 @@ impl App {
         let mut line = |name: &str, help: &str, kind: &str, value: u64| {
             out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
         };
-        line("sgl_indexer_subscriptions", "engine ranks configured to publish events", "gauge", load(&s.subscriptions));
-        line("sgl_indexer_subscribed", "engine ranks subscribed at least once", "gauge", load(&s.subscribed));
-        line("sgl_indexer_batches_total", "event batches applied", "counter", load(&s.batches));
-        line("sgl_indexer_malformed_total", "event frames dropped as malformed", "counter", load(&s.malformed));
-        line("sgl_indexer_gaps_total", "sequence gaps seen", "counter", load(&s.gaps));
-        line("sgl_indexer_replayed_batches_total", "batches recovered from replay", "counter", load(&s.replayed));
-        line("sgl_indexer_unrepaired_gaps_total", "gaps that dropped a rank's entries", "counter", load(&s.unrepaired));
-        line("sgl_indexer_publisher_restarts_total", "publishers seen restarting", "counter", load(&s.restarts));
-        line("sgl_indexer_queries_total", "match queries", "counter", load(&s.queries));
-        line("sgl_indexer_bad_queries_total", "queries refused as malformed", "counter", load(&s.bad_queries));
-        line(
-            "sgl_indexer_hits_confirmed_total",
-            "queries whose best match the engine confirmed",
-            "counter",
-            load(&s.hits_confirmed),
-        );
-        line(
-            "sgl_indexer_hits_speculative_total",
-            "queries whose best match was only routed",
-            "counter",
-            load(&s.hits_speculative),
-        );
-        line("sgl_indexer_misses_total", "queries no engine matched", "counter", load(&s.misses));
-        line("sgl_indexer_routed_notices_total", "routed notices applied", "counter", load(&s.routed_notices));
-        line("sgl_indexer_routed_refused_total", "routed notices refused", "counter", load(&s.routed_refused));
-        line(
-            "sgl_indexer_claim_waits_total",
-            "queries that waited for a concurrent match sharing their prefix to be routed",
-            "counter",
-            load(&s.claim_waits),
-        );
-        line(
-            "sgl_indexer_claim_waits_unrouted_total",
-            "claim waits that ended without the routed notice",
-            "counter",
-            load(&s.claim_waits_unrouted),
-        );
-        line(
-            "sgl_indexer_claims_open",
-            "matches claimed and not yet routed",
-            "gauge",
-            self.claims.open(now_ms()) as u64,
-        );
+        let gauges: [(&str, &str, u64); 3] = [
+            ("sgl_indexer_subscriptions", "engine ranks configured to publish events", load(&s.subscriptions)),
+            ("sgl_indexer_subscribed", "engine ranks subscribed at least once", load(&s.subscribed)),
+            ("sgl_indexer_claims_open", "matches claimed and not yet routed", self.claims.open(now_ms()) as u64),
+        ];
+        let counters: [(&str, &str, &AtomicU64); 15] = [
+            ("sgl_indexer_batches_total", "event batches applied", &s.batches),
+            ("sgl_indexer_malformed_total", "event frames dropped as malformed", &s.malformed),
+            ("sgl_indexer_gaps_total", "sequence gaps seen", &s.gaps),
+            ("sgl_indexer_replayed_batches_total", "batches recovered from replay", &s.replayed),
+            ("sgl_indexer_unrepaired_gaps_total", "gaps that dropped a rank's entries", &s.unrepaired),
+            ("sgl_indexer_publisher_restarts_total", "publishers seen restarting", &s.restarts),
+            ("sgl_indexer_queries_total", "match queries", &s.queries),
+            ("sgl_indexer_bad_queries_total", "queries refused as malformed", &s.bad_queries),
+            ("sgl_indexer_hits_confirmed_total", "queries whose best match the engine confirmed", &s.hits_confirmed),
+            ("sgl_indexer_hits_speculative_total", "queries whose best match was only routed", &s.hits_speculative),
+            ("sgl_indexer_misses_total", "queries no engine matched", &s.misses),
+            ("sgl_indexer_routed_notices_total", "routed notices applied", &s.routed_notices),
+            ("sgl_indexer_routed_refused_total", "routed notices refused", &s.routed_refused),
+            (
+                "sgl_indexer_claim_waits_total",
+                "queries that waited for a concurrent match sharing their prefix to be routed",
+                &s.claim_waits,
+            ),
+            (
+                "sgl_indexer_claim_waits_unrouted_total",
+                "claim waits that ended without the routed notice",
+                &s.claim_waits_unrouted,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            line(name, help, "gauge", value);
+        }
+        for (name, help, counter) in counters {
+            line(name, help, "counter", load(counter));
+        }
         out.push_str("# HELP sgl_indexer_blocks engine pages held, per engine\n# TYPE sgl_indexer_blocks gauge\n");
         if let Ok(indexes) = self.indexes.lock() {
             for index in indexes.values() {
