@@ -38,6 +38,10 @@ pub struct IndexerMatch {
 
 pub type IndexerAnswer = Result<IndexerMatch, String>;
 
+/// On a match call: the caller sends a routed notice after every decision on the answer, so the
+/// indexer may hold concurrent queries sharing the prefix until it arrives (its "claims").
+pub const ROUTED_NOTICE_HEADER: &str = "x-sgl-routed-notice";
+
 /// `{"input_tokens": N, "data": {"<worker>": {"matched_tokens", "GPU", ...}}, "handle": "..."}`.
 pub fn parse_answer(status: Option<u16>, body: &[u8]) -> IndexerAnswer {
     match status {
@@ -112,11 +116,9 @@ impl IndexerClient {
             method: "POST".to_string(),
             path: "/v1/prefix/match".to_string(),
             authority: self.authority.clone(),
-            // Every decision on an answer sends a routed notice, so the indexer may hold concurrent
-            // queries sharing this prefix until it arrives.
             headers: vec![
                 ("content-type".to_string(), "application/json".to_string()),
-                ("x-sgl-routed-notice".to_string(), "1".to_string()),
+                (ROUTED_NOTICE_HEADER.to_string(), "1".to_string()),
             ],
             body: Some(body.to_vec()),
             timeout_ms: self.timeout_ms,

@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+use sgl_envoy_router::state::kv_events::remote::ROUTED_NOTICE_HEADER;
 
 use crate::events::Medium;
 use crate::index::EngineMatch;
@@ -64,12 +65,9 @@ struct Query {
     cache_salt: Option<String>,
 }
 
-/// A caller that sends a routed notice after every decision says so with this header; only its
-/// matches open claims (see `claims`).
-pub const WILL_NOTIFY_HEADER: &str = "x-sgl-routed-notice";
-
+/// Only the matches of a caller that promises routed notices open claims (see `claims`).
 fn will_notify(headers: &HeaderMap) -> bool {
-    headers.get(WILL_NOTIFY_HEADER).is_some_and(|v| v.as_bytes() == b"1")
+    headers.get(ROUTED_NOTICE_HEADER).is_some_and(|v| v.as_bytes() == b"1")
 }
 
 async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {

@@ -16,4 +16,5 @@ pub mod http;
 pub mod index;
 pub mod state;
 pub mod subscriber;
+pub mod synthetic;
 pub mod tokenize;

@@ -8,28 +8,10 @@ use std::time::Instant;
 
 use sgl_indexer::events::{KvEvent, Medium, StoredBlocks};
 use sgl_indexer::index::{block_keys, Index};
+use sgl_indexer::synthetic::{doc_tokens, percentile, rss_mib};
 use sgl_indexer::tokenize::ModelTokenizer;
 
 const BLOCK: u32 = 16;
-
-fn rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
-fn percentile(mut xs: Vec<f64>, p: f64) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs.get(((xs.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
-}
-
-/// Document `d`'s tokens: 2,048-token documents, the first 1,024 shared by groups of 8 documents.
-fn doc_tokens(d: u32, len: u32) -> Vec<u32> {
-    (0..len).map(|i| if i < 1024 { (d / 8) * 7919 + i } else { d * 104_729 + i }).collect()
-}
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -37,7 +19,7 @@ fn main() {
     let pages: u32 = args.next().and_then(|a| a.parse().ok()).unwrap_or(100_000);
     let per_doc = 2048 / BLOCK;
     let docs_per_engine = pages / per_doc;
-    let idle = rss_mib();
+    let idle = rss_mib("self").unwrap_or(0.0);
     let mut index = Index::new(BLOCK, (engines as usize) * (pages as usize) + 1);
     let started = Instant::now();
     let mut events = 0u64;
@@ -45,7 +27,7 @@ fn main() {
         let name = format!("E{e:02}");
         for k in 0..docs_per_engine {
             let d = e * 131 + k * 17;
-            let tokens = doc_tokens(d, 2048);
+            let tokens = doc_tokens(d, 2048, true);
             // One event a page, each the child of the previous, as SGLang publishes.
             let mut parent = None;
             for (p, chunk) in tokens.chunks(BLOCK as usize).enumerate() {
@@ -69,11 +51,11 @@ fn main() {
         }
     }
     let ingest_s = started.elapsed().as_secs_f64();
-    let held = rss_mib();
+    let held = rss_mib("self").unwrap_or(0.0);
     let latency = |len: u32| {
         let samples: Vec<f64> = (0..1000u32)
             .map(|q| {
-                let tokens = doc_tokens((q * 7) % (engines * 131), len);
+                let tokens = doc_tokens((q * 7) % (engines * 131), len, true);
                 let t = Instant::now();
                 let keys = block_keys(&tokens, BLOCK, None, None);
                 std::hint::black_box(index.match_keys(&keys, 0));

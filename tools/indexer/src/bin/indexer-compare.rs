@@ -19,6 +19,7 @@ use bytes::Bytes;
 use clap::{Parser, ValueEnum};
 use rmpv::Value;
 use serde_json::json;
+use sgl_indexer::synthetic::{doc_tokens, percentile, rss_mib};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const BLOCK: u32 = 16;
@@ -59,27 +60,10 @@ fn worker(e: u32) -> String {
     (e + 1).to_string()
 }
 
-/// Document `d`'s tokens, its own throughout.
-fn unique_tokens(d: u32, len: u32) -> Vec<u32> {
-    (0..len).map(|i| d.wrapping_mul(104_729).wrapping_add(i)).collect()
-}
-
-/// With `shared`, the first 1,024 tokens are common to groups of 8 documents (a system prompt
-/// several engines hold).
-fn doc_tokens(d: u32, len: u32, shared: bool) -> Vec<u32> {
-    let mut tokens = unique_tokens(d, len);
-    if shared {
-        for (i, t) in tokens.iter_mut().take(1024).enumerate() {
-            *t = (d / 8) * 7919 + i as u32;
-        }
-    }
-    tokens
-}
-
 /// A document no other shares, published after each chunk: the indexer has caught up with the
 /// chunk when every engine's is held.
 fn sentinel(e: u32, chunk: u32) -> Vec<u32> {
-    unique_tokens(4_000_000 + e * 10_000 + chunk, DOC)
+    doc_tokens(4_000_000 + e * 10_000 + chunk, DOC, false)
 }
 
 fn doc_of(e: u32, k: u32) -> u32 {
@@ -146,17 +130,6 @@ impl Client {
     }
 }
 
-fn rss_mib(pid: Option<u32>) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", pid?)).ok()?;
-    let kb: f64 = status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
-}
-
-fn percentile(mut xs: Vec<f64>, p: f64) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs.get(((xs.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
-}
-
 async fn send(socket: &mut PubSocket, payload: Vec<u8>, seq: u64) -> Result<(), String> {
     let frames = vec![Bytes::from_static(b"kv"), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload)];
     let message = ZmqMessage::try_from(frames).map_err(|e| format!("{e:?}"))?;
@@ -205,7 +178,7 @@ async fn main() -> Result<(), String> {
             return Err(format!("the indexer sees {seen} of {} engines after 60 s", args.engines));
         }
     }
-    let idle_mib = rss_mib(args.pid);
+    let idle_mib = args.pid.and_then(|p| rss_mib(&p.to_string()));
     let docs = args.pages / (DOC / BLOCK);
     let pages = u64::from(args.engines) * u64::from(docs) * u64::from(DOC / BLOCK);
     // Encoded up front, so the timing is the indexer's, not this program's msgpack.
@@ -241,7 +214,7 @@ async fn main() -> Result<(), String> {
     }
     let published_s = publishing.as_secs_f64();
     let ingest_s = t0.elapsed().as_secs_f64();
-    let held_mib = rss_mib(args.pid);
+    let held_mib = args.pid.and_then(|p| rss_mib(&p.to_string()));
     // Completeness: a sample of documents across engines, each expected in full.
     let sample: Vec<(u32, u32)> = (0..200u32).map(|i| ((i * 7) % args.engines, (i * 104_729) % docs.max(1))).collect();
     let complete = sample.iter().filter(|(e, k)| full(*e, *k)).count();
