@@ -48,6 +48,7 @@ fn loads(ws: &[Arc<Worker>]) -> LoadSnapshot {
                 max_running: Some(64),
                 waiting_uncached_tokens: Some((i * 3 % 17) as u64 * 100),
                 prefill_queue_ms: None,
+                prefill_tokens_per_ms: None,
                 reported_at_ms: 0,
                 dispatches_at_report: 0,
             },

@@ -40,6 +40,7 @@ pub fn native_load(running: u64, waiting: u64) -> EngineLoad {
         max_running: Some(64),
         waiting_uncached_tokens: None,
         prefill_queue_ms: None,
+        prefill_tokens_per_ms: None,
         reported_at_ms: 0,
         dispatches_at_report: 0,
     }

@@ -256,3 +256,46 @@ fn the_circuit_breaker_opens_on_consecutive_failures_and_a_probe_closes_it() {
     let counts = served(&d, 10);
     assert_eq!((counts.get("A"), counts.get("B")), (Some(&5), Some(&5)), "closed again: {counts:?}");
 }
+
+/// Sends a chat request from another thread; its engine arrives on the returned handle.
+fn chat_in_background(d: &Deployment, content: String, max_tokens: u64) -> std::thread::JoinHandle<String> {
+    let url = d.envoy.url("/v1/chat/completions");
+    std::thread::spawn(move || {
+        let body = chat_body(&content, max_tokens, false);
+        let mut r = agent().post(&url).header("content-type", "application/json").send(body.to_string()).unwrap();
+        let engine = r.headers().get("x-sgl-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+        let _ = r.body_mut().read_to_string();
+        engine
+    })
+}
+
+#[test]
+fn a_cold_prompt_avoids_the_engine_the_router_knows_is_still_prefilling() {
+    // Engines that report no prefill queue (SGLang's /get_load), with a slow prefill: only the
+    // router's own estimate of what it sent says that A is busy prefilling a long prompt.
+    let slow = |id: &str| SimSpec { extra: vec!["--prefill-tps".into(), "2000".into()], ..SimSpec::plain(id) };
+    let d = Deployment::start("pending_prefill", vec![slow("A"), slow("B")], |sims| {
+        let mut router = plain_with(
+            sims,
+            json!([{"id": "all", "groups": {"plain": {"policy": {"type": "cache_aware", "min_hit_tokens": 64}}}}]),
+        );
+        router["load"] = json!({"source": "sglang_get_load", "interval_ms": 100, "stale_after_ms": 1000,
+                                "prefill_tokens_per_s": 2000});
+        router
+    });
+    d.wait_for_service(2);
+    // A: ~4,000 tokens to prefill (2 s); B: a short prompt decoding for a while. One request each.
+    let long = chat_in_background(&d, "lorem ipsum ".repeat(1_350), 1);
+    std::thread::sleep(Duration::from_millis(100));
+    let short = chat_in_background(&d, "a short question".into(), 1_000);
+    let_reports_refresh();
+    let engines =
+        d.sims.iter().map(|s| s.state()["running"].as_u64().unwrap_or(0) + s.state()["waiting"].as_u64().unwrap_or(0));
+    assert_eq!(engines.collect::<Vec<_>>(), vec![1, 1], "one request on each engine, as reported");
+    // Equal reports, equal in-flight counts: only the pending prefill tells them apart.
+    let r = d.chat(&chat_body(&"a new topic ".repeat(100), 1, false));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.engine(), "B", "the cold prompt must not queue behind A's 2 s prefill");
+    assert_eq!(long.join().unwrap(), "A");
+    assert_eq!(short.join().unwrap(), "B");
+}

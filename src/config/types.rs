@@ -149,6 +149,10 @@ pub struct LoadConfig {
     pub timeout_ms: u64,
     #[serde(default = "defaults::stale_after_ms")]
     pub stale_after_ms: u64,
+    /// The prefill throughput the router's pending-prefill estimate assumes for an engine that
+    /// does not report its prefill counters (tokens per second of one engine).
+    #[serde(default = "defaults::prefill_tokens_per_s", skip_serializing_if = "defaults::is_prefill_tokens_per_s")]
+    pub prefill_tokens_per_s: f64,
 }
 
 impl Default for LoadConfig {
@@ -158,6 +162,7 @@ impl Default for LoadConfig {
             interval_ms: defaults::load_interval_ms(),
             timeout_ms: defaults::load_timeout_ms(),
             stale_after_ms: defaults::stale_after_ms(),
+            prefill_tokens_per_s: defaults::prefill_tokens_per_s(),
         }
     }
 }
@@ -530,6 +535,14 @@ pub(crate) mod defaults {
     }
     pub fn stale_after_ms() -> u64 {
         2000
+    }
+    /// A mid-size model's prefill on one current GPU is of this order (tens of thousands of tokens
+    /// a second); only the ratio between engines matters when they all assume it.
+    pub fn prefill_tokens_per_s() -> f64 {
+        20_000.0
+    }
+    pub fn is_prefill_tokens_per_s(rate: &f64) -> bool {
+        *rate == prefill_tokens_per_s()
     }
     pub fn health_path() -> String {
         "/health".to_string()

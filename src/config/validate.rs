@@ -148,6 +148,10 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
         positive(errors, "load.timeout_ms", config.load.timeout_ms);
         positive(errors, "load.stale_after_ms", config.load.stale_after_ms);
     }
+    let rate = config.load.prefill_tokens_per_s;
+    if !(rate.is_finite() && rate > 0.0) {
+        errors.push(ConfigError::new("load.prefill_tokens_per_s", format!("must be a positive number, not {rate}")));
+    }
     let h = &config.health;
     if !h.path.starts_with('/') {
         errors.push(ConfigError::new("health.path", "must start with `/`"));

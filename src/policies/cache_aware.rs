@@ -11,13 +11,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::admission::AdmissionGate;
+use super::pressure::{expected_wait_ms, prefill_rate, PREFILL_QUANTUM_TOKENS};
 use super::{BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::config::CacheAwareConfig;
 use crate::host::Host;
 use crate::registry::Worker;
 use crate::state::kv_events::remote::{IndexerAnswer, PrefixHit};
 use crate::state::kv_events::PrefixReplica;
-use crate::state::load_monitor::{EngineLoad, LoadSnapshot};
+use crate::state::load_monitor::{EngineLoad, LoadSnapshot, LocalLoad};
 
 /// What a prefix lookup found. A confirmed miss and an unavailable source both fall back to load,
 /// but stay distinguishable in the pick reason (and so in stats).
@@ -151,6 +152,20 @@ impl PrefixMemo {
         }
     }
 
+    /// The longest prefix any lookup of this request found on `worker`, in tokens (what the
+    /// engine need not prefill again).
+    pub fn matched_tokens(&self, worker: &str) -> u64 {
+        let Ok(results) = self.results.lock() else { return 0 };
+        results
+            .values()
+            .filter_map(|lookup| match lookup.as_ref() {
+                CacheLookup::Matches(hits) => hits.iter().find(|h| h.worker == worker).map(PrefixHit::effective_tokens),
+                CacheLookup::Unavailable(_) => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// What was recorded for `source`, if anything.
     pub fn get(&self, source: &Arc<dyn CacheSource>) -> Option<Arc<CacheLookup>> {
         self.results.lock().ok().and_then(|m| m.get(&(Arc::as_ptr(source) as *const () as usize)).cloned())
@@ -177,6 +192,8 @@ pub struct CacheAwarePolicy {
     gate: AdmissionGate,
     random: Arc<dyn RandomSource>,
     bytes_per_token: u64,
+    /// Prefill rate assumed for an engine that does not report one (`load.prefill_tokens_per_s`).
+    assumed_tokens_per_ms: f64,
 }
 
 /// One usable prefix holder.
@@ -186,12 +203,31 @@ struct Holder {
     matched_tokens: u64,
 }
 
-/// A total order for load: reported running + waiting (router-local in-flight without a fresh
-/// report), then waiting uncached tokens, then in-flight, then id. Never a pairwise comparator.
-fn load_key(w: &Worker, load: Option<&EngineLoad>, inflight: u64) -> (u64, u64, u64, String) {
+/// Prefill the router causes costs more than the wait of the request that brings it: the requests
+/// queued behind it on that engine wait too, and a prefix prefilled again elsewhere takes cache
+/// space twice. Counted this many times over (on the tail bench, docs/benchmarks.md: 1 kept hit
+/// rates 1.6 points below sglang-router's, 8 within 1 point with p99 below 0.6× its, 16 matched
+/// its hit rate with p99 at 0.73–0.80× its).
+const UNCACHED_WEIGHT: f64 = 8.0;
+
+/// Waits that differ by less than this are treated as equal, so request counts and then the
+/// spreading of new prefixes decide between engines that are about as idle.
+const WAIT_QUANTUM_MS: f64 = 10.0;
+
+/// A total order for load, never a pairwise comparator: the expected wait for a first token
+/// (turn for a slot, then the prefill queue: [`expected_wait_ms`]), then reported running +
+/// waiting (router-local in-flight without a fresh report), then the uncached tokens the engine
+/// was ever sent — among engines equally idle a new prefix goes where the least distinct content
+/// went, what sglang-router's smallest tree measures — then in-flight, then id.
+fn load_key(w: &Worker, load: Option<&EngineLoad>, local: LocalLoad, wait_ms: f64) -> (u64, u64, u64, u64, String) {
     let reported = load.and_then(|l| Some(l.running?.saturating_add(l.waiting?)));
-    let uncached = load.and_then(|l| l.waiting_uncached_tokens).unwrap_or(0);
-    (reported.unwrap_or(inflight), uncached, inflight, w.id.clone())
+    (
+        (wait_ms / WAIT_QUANTUM_MS) as u64,
+        reported.unwrap_or(local.inflight),
+        local.prefilled_total / PREFILL_QUANTUM_TOKENS,
+        local.inflight,
+        w.id.clone(),
+    )
 }
 
 impl CacheAwarePolicy {
@@ -201,8 +237,29 @@ impl CacheAwarePolicy {
         gate: AdmissionGate,
         random: Arc<dyn RandomSource>,
         bytes_per_token: u64,
+        assumed_tokens_per_ms: f64,
     ) -> Self {
-        Self { config, source, gate, random, bytes_per_token: bytes_per_token.max(1) }
+        Self { config, source, gate, random, bytes_per_token: bytes_per_token.max(1), assumed_tokens_per_ms }
+    }
+
+    /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds: its own
+    /// wait for a first token, plus its prefill counted [`UNCACHED_WEIGHT`] times more.
+    fn cost_ms(&self, snapshot: &LoadSnapshot, w: &Worker, uncached: u64) -> f64 {
+        let load = snapshot.get(&w.id);
+        let local = self.gate.inflight.local_load(&w.id);
+        let rate = prefill_rate(load, self.assumed_tokens_per_ms);
+        expected_wait_ms(load, &local, uncached, self.assumed_tokens_per_ms) + UNCACHED_WEIGHT * uncached as f64 / rate
+    }
+
+    /// The switch margin as prefill time at the assumed rate.
+    fn margin_ms(&self) -> f64 {
+        self.config.switch_margin_tokens as f64 / self.assumed_tokens_per_ms
+    }
+
+    fn key(&self, snapshot: &LoadSnapshot, w: &Worker) -> (u64, u64, u64, u64, String) {
+        let local = self.gate.inflight.local_load(&w.id);
+        let load = snapshot.get(&w.id);
+        load_key(w, load, local, expected_wait_ms(load, &local, 0, self.assumed_tokens_per_ms))
     }
 
     fn waiting(snapshot: &LoadSnapshot, w: &Worker) -> Option<u64> {
@@ -239,10 +296,7 @@ impl CacheAwarePolicy {
                     .then(|| Holder { worker: Arc::clone(worker), matched_tokens })
             })
             .collect();
-        let inflight = |w: &Worker| self.gate.inflight.inflight(&w.id);
-        holders.sort_by_cached_key(|h| {
-            (std::cmp::Reverse(h.matched_tokens), load_key(&h.worker, snapshot.get(&h.worker.id), inflight(&h.worker)))
-        });
+        holders.sort_by_cached_key(|h| (std::cmp::Reverse(h.matched_tokens), self.key(snapshot, &h.worker)));
         let by_ratio = self.config.candidate_ratio.map_or(0, |r| (r * engines.len() as f64).ceil() as usize);
         let mut bound = self.config.min_candidates.max(by_ratio);
         if let Some(max) = self.config.max_candidates {
@@ -267,18 +321,17 @@ impl CacheAwarePolicy {
     }
 
     /// Step 5: start from the longest match; a shorter one wins only when it saves more than the
-    /// switch margin of uncached work (the prompt's unmatched part plus the engine's own queue).
+    /// switch margin of uncached work: the prompt's unmatched part, the engine's own prefill queue
+    /// and its queue for a slot, all as time ([`Self::cost_ms`]).
     fn preferred_order(&self, holders: Vec<Holder>, input: u64, snapshot: &LoadSnapshot) -> Vec<Holder> {
-        let uncached = |h: &Holder| {
-            let queue = snapshot.get(&h.worker.id).and_then(|l| l.waiting_uncached_tokens).unwrap_or(0);
-            input.saturating_sub(h.matched_tokens).saturating_add(queue)
-        };
+        let work = |h: &Holder| self.cost_ms(snapshot, &h.worker, input.saturating_sub(h.matched_tokens));
         if holders.is_empty() {
             return holders;
         }
+        let waits: Vec<f64> = holders.iter().map(work).collect();
         let mut best = 0;
-        for (i, h) in holders.iter().enumerate().skip(1) {
-            if uncached(h).saturating_add(self.config.switch_margin_tokens) < uncached(&holders[best]) {
+        for (i, wait) in waits.iter().enumerate().skip(1) {
+            if wait + self.margin_ms() < waits[best] {
                 best = i;
             }
         }
@@ -288,14 +341,30 @@ impl CacheAwarePolicy {
         ordered
     }
 
-    /// Step 6: power-of-k over the engines inside the soft queue gate (all of them if none is),
-    /// the exact minimum when k covers the pool. The winner is checked by this policy.
+    /// Step 6: the load fallback's winner, checked by this policy.
     fn load_fallback(
         &self,
         engines: &[Arc<Worker>],
         snapshot: &LoadSnapshot,
         reason: PickReason,
     ) -> Result<Pick, PickError> {
+        self.checked(self.fallback_engine(engines, snapshot), snapshot, reason)
+    }
+
+    fn checked(
+        &self,
+        winner: Option<&Arc<Worker>>,
+        snapshot: &LoadSnapshot,
+        reason: PickReason,
+    ) -> Result<Pick, PickError> {
+        let winner = winner.ok_or_else(|| PickError::no_candidates("cache_aware has no candidates"))?;
+        self.gate.check_with(winner, snapshot.get(&winner.id))?;
+        Ok(Pick { worker: Arc::clone(winner), reason })
+    }
+
+    /// Step 6's choice: power-of-k over the engines inside the soft queue gate (all of them if none
+    /// is), the exact minimum when k covers the pool.
+    fn fallback_engine<'e>(&self, engines: &'e [Arc<Worker>], snapshot: &LoadSnapshot) -> Option<&'e Arc<Worker>> {
         let open: Vec<&Arc<Worker>> = engines.iter().filter(|w| !self.queued(snapshot, w)).collect();
         let pool: Vec<&Arc<Worker>> = if open.is_empty() { engines.iter().collect() } else { open };
         let k = self.config.min_load_choices.max(1);
@@ -305,13 +374,7 @@ impl CacheAwarePolicy {
             let mut remaining = pool;
             (0..k).map(|_| remaining.swap_remove(self.random.below(remaining.len()))).collect()
         };
-        let key = |w: &Worker| load_key(w, snapshot.get(&w.id), self.gate.inflight.inflight(&w.id));
-        let winner = sampled
-            .into_iter()
-            .min_by_key(|w| key(w))
-            .ok_or_else(|| PickError::no_candidates("cache_aware has no candidates"))?;
-        self.gate.check_with(winner, snapshot.get(&winner.id))?;
-        Ok(Pick { worker: Arc::clone(winner), reason })
+        sampled.into_iter().min_by_key(|w| self.key(snapshot, w))
     }
 
     async fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
@@ -357,9 +420,17 @@ impl CacheAwarePolicy {
                 }
             }
         };
-        usable.retain(|h| self.within_pressure_guard(h, engines, &snapshot));
+        // The wait guard: a holder loses preference when the request would cost more there than at
+        // the fallback's engine prefilling all of it, by more than the switch margin (README,
+        // "Design deviations").
+        let cold = self.fallback_engine(engines, &snapshot);
+        let limit_ms = cold.map(|w| self.cost_ms(&snapshot, w, input) + self.margin_ms());
+        usable.retain(|h| {
+            let cost = || self.cost_ms(&snapshot, &h.worker, input.saturating_sub(h.matched_tokens));
+            self.within_pressure_guard(h, engines, &snapshot) && limit_ms.is_none_or(|limit| cost() <= limit)
+        });
         if usable.is_empty() {
-            return self.load_fallback(engines, &snapshot, PickReason::PressureGuard);
+            return self.checked(cold, &snapshot, PickReason::PressureGuard);
         }
         // Hard rejection of every bounded holder never turns into a cold fallback.
         let ordered = self.preferred_order(usable, request.input_tokens, &snapshot);
@@ -385,6 +456,7 @@ mod tests {
     use crate::config::{AdmissionLimits, PressureGuard};
     use crate::policies::{Limit, Rejection, SeededRandom};
     use crate::registry::Role;
+    use crate::state::load_monitor::{InflightTable, PrefillWork};
     use crate::testing::*;
 
     /// A source with fixed answers that counts lookups.
@@ -417,7 +489,7 @@ mod tests {
         config: CacheAwareConfig,
         limits: AdmissionLimits,
     ) -> CacheAwarePolicy {
-        CacheAwarePolicy::new(config, source, state.gate(limits), Arc::new(SeededRandom::new(3)), 4)
+        CacheAwarePolicy::new(config, source, state.gate(limits), Arc::new(SeededRandom::new(3)), 4, 20.0)
     }
 
     fn tuned(f: impl FnOnce(&mut CacheAwareConfig)) -> CacheAwareConfig {
@@ -579,9 +651,10 @@ mod tests {
     fn a_shorter_match_wins_only_beyond_the_switch_margin() {
         let s = State::new();
         let mut busy = native_load(0, 0);
-        busy.waiting_uncached_tokens = Some(2000);
+        busy.waiting_uncached_tokens = Some(5000);
         s.loads(&[("B", busy), ("C", native_load(0, 0))]);
-        // B: 1000 - 900 + 2000 queued = 2100 uncached; C: 1000 - 500 = 500.
+        // At 20 tokens/ms, uncached tokens weighed 9×: B waits (5000 + 100) / 20 = 255 ms and costs
+        // 40 ms more; C waits 25 ms and costs 200 ms more. C saves 70 ms, 1,400 tokens' worth.
         let p = policy(
             &s,
             Fixed::matches(&[("B", 900), ("C", 500)]),
@@ -598,7 +671,7 @@ mod tests {
             }),
             AdmissionLimits::default(),
         );
-        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "B", "1,600 saved is not more than the margin");
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "B", "1,400 saved is not more than the margin");
     }
 
     #[test]
@@ -616,6 +689,62 @@ mod tests {
         assert_eq!((r.worker.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 10))]);
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "B", "within the guard");
+    }
+
+    /// A report of `running` + `waiting` on an engine with `slots`, whose requests held it
+    /// `hold_ms` each.
+    fn slotted(s: &State, id: &str, running: u64, waiting: u64, slots: u64, hold_ms: u64) -> (String, EngineLoad) {
+        s.inflight.acquire(id, PrefillWork::NONE);
+        s.inflight.release(id, 0, hold_ms);
+        let mut load = native_load(running, waiting);
+        load.max_running = Some(slots);
+        load.dispatches_at_report = s.inflight.dispatched_total(id);
+        (id.to_string(), load)
+    }
+
+    #[test]
+    fn the_wait_guard_moves_a_request_off_a_holder_with_a_long_queue_for_a_slot() {
+        let s = State::new();
+        let queued = slotted(&s, "B", 4, 3, 4, 800);
+        let idle = slotted(&s, "A", 1, 0, 4, 800);
+        s.inflight.set_now(0);
+        s.loads(&[(idle.0.as_str(), idle.1.clone()), (queued.0.as_str(), queued.1)]);
+        let p = policy(&s, Fixed::matches(&[("B", 900)]), tuned(|_| {}), AdmissionLimits::default());
+        // B: 4 ahead × 200 ms = 800 ms; A: 1,000 tokens at 20/ms = 50 ms, weighed 9× = 450 ms.
+        let r = pick(&p, &["A", "B"], 1000).unwrap();
+        assert_eq!((r.worker.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
+        let shorter = slotted(&s, "B", 4, 1, 4, 800);
+        s.loads(&[(idle.0.as_str(), idle.1), (shorter.0.as_str(), shorter.1)]);
+        // B: 2 ahead = 400 ms plus 100 tokens weighed 9× = 45 ms: still under 450 ms.
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "B", "a shorter queue keeps the hit");
+    }
+
+    #[test]
+    fn a_miss_goes_where_the_least_distinct_content_went_among_equally_idle_engines() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9 });
+        s.inflight.release("A", 4_096, 5);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        let r = pick(&p, &["A", "B"], 1000).unwrap();
+        assert_eq!((r.worker.id.as_str(), r.reason), ("B", PickReason::CacheMiss));
+        s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9 });
+        s.inflight.release("B", 8_192, 5);
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "A");
+    }
+
+    #[test]
+    fn a_miss_avoids_an_engine_still_prefilling_what_the_router_sent() {
+        let s = State::new();
+        s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 0))]);
+        // Sent 2,000 tokens at 1 token/ms: 2 s of prefill the report does not show.
+        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 1.0 });
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "B");
+        s.inflight.set_now(2_000);
+        // Drained: the next difference decides — B was given more distinct content than A.
+        s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9 });
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "A");
     }
 
     #[test]

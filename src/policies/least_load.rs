@@ -71,7 +71,7 @@ mod tests {
     use crate::config::AdmissionLimits;
     use crate::policies::{Limit, Rejection};
     use crate::registry::Role;
-    use crate::state::load_monitor::InflightTable;
+    use crate::state::load_monitor::{InflightTable, PrefillWork};
     use crate::testing::*;
 
     fn pick(s: &State, limits: AdmissionLimits, ids: &[&str]) -> Result<Pick, PickError> {
@@ -92,10 +92,10 @@ mod tests {
         a.dispatches_at_report = 10;
         s.loads(&[("A", a), ("B", native_load(3, 0))]);
         for _ in 0..13 {
-            s.inflight.acquire("A");
+            s.inflight.acquire("A", PrefillWork::NONE);
         }
         for _ in 0..13 {
-            s.inflight.release("A");
+            s.inflight.release("A", 0, 0);
         }
         // A: 1 reported + 3 sent since the report = 4 > B's 3.
         assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().worker.id, "B");

@@ -6,9 +6,10 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 
 use super::admission::AdmissionGate;
-use super::pressure::compare_for_stage;
+use super::pressure::{compare_for_stage, PREFILL_QUANTUM_TOKENS};
 use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
-use crate::registry::Worker;
+use crate::registry::{Role, Worker};
+use crate::state::load_monitor::{EngineLoad, LocalLoad};
 
 #[derive(Debug)]
 pub struct PowerOfTwoPolicy {
@@ -42,21 +43,35 @@ impl PowerOfTwoPolicy {
                     (Some(a), Some(b)) => (a, b),
                     _ => return Err(PickError::no_candidates("sample out of range")),
                 };
-                let inflight = |w: &Worker| self.gate.inflight.inflight(&w.id);
-                let by_inflight = |reason| match inflight(a).cmp(&inflight(b)) {
+                let (local_a, local_b) = (self.gate.inflight.local_load(&a.id), self.gate.inflight.local_load(&b.id));
+                let by_inflight = |reason| match local_a.inflight.cmp(&local_b.inflight) {
                     Ordering::Greater => (b, reason),
                     Ordering::Less => (a, reason),
                     Ordering::Equal => (a, PickReason::FirstSampled),
                 };
+                let prefills = request.stage != Role::Decode;
+                // Prefill work the engine does not report is the router's own estimate of it.
+                let estimated = |load: &EngineLoad, local: &LocalLoad| {
+                    let mut load = load.clone();
+                    if prefills && load.waiting_uncached_tokens.is_none() {
+                        load.waiting_uncached_tokens = Some(local.pending_prefill_tokens);
+                    }
+                    load
+                };
+                let level = |local: &LocalLoad| local.pending_prefill_tokens / PREFILL_QUANTUM_TOKENS;
                 match (snapshot.get(&a.id), snapshot.get(&b.id)) {
                     (Some(la), Some(lb)) if la.is_native_with_capacity() && lb.is_native_with_capacity() => {
-                        match compare_for_stage(request.stage, la, lb) {
+                        match compare_for_stage(request.stage, &estimated(la, &local_a), &estimated(lb, &local_b)) {
                             Ordering::Less => (a, PickReason::LowerPressure),
                             Ordering::Greater => (b, PickReason::LowerPressure),
                             Ordering::Equal => by_inflight(PickReason::InflightTieBreak),
                         }
                     }
-                    // Without fresh native reports on both, compare what the router itself knows.
+                    // Without fresh native reports on both, compare what the router itself knows:
+                    // the prefill it sent and has not seen drain, then its requests in flight.
+                    _ if prefills && level(&local_a) != level(&local_b) => {
+                        (if level(&local_a) < level(&local_b) { a } else { b }, PickReason::RouterLocalLoad)
+                    }
                     _ => match by_inflight(PickReason::RouterLocalLoad) {
                         (w, PickReason::FirstSampled) => (w, PickReason::RouterLocalLoad),
                         other => other,
@@ -88,6 +103,7 @@ mod tests {
     use crate::config::AdmissionLimits;
     use crate::policies::{Limit, Rejection, SeededRandom};
     use crate::registry::Role;
+    use crate::state::load_monitor::{InflightTable, PrefillWork};
     use crate::testing::*;
 
     /// Replays fixed draws so a test decides which two engines are sampled.
@@ -212,6 +228,45 @@ mod tests {
             .pick(&workers(&["A", "B"]), &request(Role::Plain)))
         .unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::FirstSampled));
+    }
+
+    #[test]
+    fn unreported_prefill_queues_are_compared_by_the_routers_estimate() {
+        let s = State::new();
+        // Equal native reports without num_waiting_uncached_tokens; A was sent 3,000 tokens.
+        s.loads(&[("A", native_load(2, 0)), ("B", native_load(2, 0))]);
+        s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0 });
+        let plain = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
+        .unwrap();
+        assert_eq!((plain.worker.id.as_str(), plain.reason), ("B", PickReason::LowerPressure));
+        // A reported queue is the engine's word, not replaced by the estimate.
+        let mut a = native_load(2, 0);
+        a.waiting_uncached_tokens = Some(0);
+        let mut b = native_load(2, 0);
+        b.waiting_uncached_tokens = Some(10);
+        s.loads(&[("A", a), ("B", b)]);
+        let reported = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
+        .unwrap();
+        assert_eq!(reported.worker.id, "A");
+    }
+
+    #[test]
+    fn without_reports_the_prefill_sent_counts_before_requests_in_flight_and_not_for_decode() {
+        let s = State::new();
+        s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0 });
+        s.inflight.set("B", 4);
+        let pick = |stage| {
+            now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+                .pick(&workers(&["A", "B"]), &request(stage)))
+            .unwrap()
+            .worker
+            .id
+            .clone()
+        };
+        assert_eq!(pick(Role::Plain), "B", "3,000 tokens still to prefill outweigh 4 requests in flight");
+        assert_eq!(pick(Role::Decode), "A", "decode compares requests only");
     }
 
     #[test]

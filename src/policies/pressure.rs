@@ -4,7 +4,53 @@
 use std::cmp::Ordering;
 
 use crate::registry::Role;
-use crate::state::load_monitor::EngineLoad;
+use crate::state::load_monitor::{EngineLoad, LocalLoad};
+
+/// Prefill work under this many tokens takes an engine a few milliseconds: compared as none, so
+/// request counts decide between engines that are not prefilling.
+pub const PREFILL_QUANTUM_TOKENS: u64 = 256;
+
+/// Uncached prompt tokens waiting at an engine: what it reports, else the router's own estimate
+/// of what it sent and the engine has not yet prefilled (README, "Design deviations").
+pub fn pending_prefill(load: Option<&EngineLoad>, local: &LocalLoad) -> u64 {
+    load.and_then(|l| l.waiting_uncached_tokens).unwrap_or(local.pending_prefill_tokens)
+}
+
+/// An engine's prefill rate in tokens per millisecond: measured from its counters, else assumed.
+pub fn prefill_rate(load: Option<&EngineLoad>, assumed_tokens_per_ms: f64) -> f64 {
+    load.and_then(|l| l.prefill_tokens_per_ms)
+        .filter(|r| *r > 0.0)
+        .unwrap_or(assumed_tokens_per_ms)
+        .max(f64::MIN_POSITIVE)
+}
+
+/// How long a new request bringing `uncached` tokens would wait at an engine for its first
+/// token, in milliseconds, by what the router can see: its turn for a running slot (the requests
+/// ahead of it beyond the engine's slots, reported plus sent since the report, each costing the
+/// engine's average hold time shared over its slots), then the prefill queue and its own tokens
+/// at the engine's prefill rate (measured, else `assumed_tokens_per_ms`). Unknown parts count as
+/// none.
+pub fn expected_wait_ms(
+    load: Option<&EngineLoad>,
+    local: &LocalLoad,
+    uncached: u64,
+    assumed_tokens_per_ms: f64,
+) -> f64 {
+    let prefill =
+        pending_prefill(load, local).saturating_add(uncached) as f64 / prefill_rate(load, assumed_tokens_per_ms);
+    let slot = match (load, local.hold_ms) {
+        (Some(l), Some(hold_ms)) => match (l.running, l.waiting, l.max_running) {
+            (Some(running), Some(waiting), Some(slots)) if slots > 0 => {
+                let sent_since = local.dispatched_total.saturating_sub(l.dispatches_at_report);
+                let ahead = (running + waiting + sent_since + 1).saturating_sub(slots);
+                ahead as f64 * hold_ms / slots as f64
+            }
+            _ => 0.0,
+        },
+        _ => 0.0,
+    };
+    slot + prefill
+}
 
 fn by<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Ordering {
     match (a, b) {
@@ -41,6 +87,42 @@ pub fn compare_for_stage(stage: Role, a: &EngineLoad, b: &EngineLoad) -> Orderin
 mod tests {
     use super::*;
     use crate::testing::native_load;
+
+    #[test]
+    fn the_wait_counts_requests_beyond_the_slots_and_the_prefill_ahead() {
+        let local = LocalLoad { hold_ms: Some(800.0), pending_prefill_tokens: 1_000, ..LocalLoad::default() };
+        let mut load = native_load(4, 2);
+        load.max_running = Some(4);
+        // 3 ahead (4 running + 2 waiting + itself - 4 slots), 200 ms each; 1,500 tokens at 10/ms.
+        assert_eq!(expected_wait_ms(Some(&load), &local, 500, 10.0), 600.0 + 150.0);
+        load.running = Some(2);
+        load.waiting = Some(0);
+        assert_eq!(expected_wait_ms(Some(&load), &local, 500, 10.0), 150.0, "a free slot: no wait for one");
+        load.prefill_tokens_per_ms = Some(30.0);
+        assert_eq!(expected_wait_ms(Some(&load), &local, 500, 10.0), 50.0, "the measured rate wins");
+        let fresh = LocalLoad { hold_ms: None, ..local };
+        assert_eq!(expected_wait_ms(None, &fresh, 0, 10.0), 100.0, "no report, no hold time: the prefill alone");
+    }
+
+    #[test]
+    fn requests_sent_since_the_report_are_ahead_too() {
+        let local = LocalLoad { hold_ms: Some(400.0), dispatched_total: 12, ..LocalLoad::default() };
+        let mut load = native_load(3, 0);
+        load.max_running = Some(4);
+        load.dispatches_at_report = 10;
+        // 3 running + 2 sent since + itself - 4 slots = 2 ahead, 100 ms each.
+        assert_eq!(expected_wait_ms(Some(&load), &local, 0, 10.0), 200.0);
+    }
+
+    #[test]
+    fn a_reported_queue_wins_over_the_estimate() {
+        let local = LocalLoad { pending_prefill_tokens: 700, ..LocalLoad::default() };
+        let mut load = native_load(0, 0);
+        assert_eq!(pending_prefill(Some(&load), &local), 700, "not reported: the estimate");
+        assert_eq!(pending_prefill(None, &local), 700, "no fresh report: the estimate");
+        load.waiting_uncached_tokens = Some(5);
+        assert_eq!(pending_prefill(Some(&load), &local), 5);
+    }
 
     #[test]
     fn prefill_compares_queue_time_first() {

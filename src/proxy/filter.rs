@@ -132,7 +132,6 @@ impl Filter {
         let (name, value) = &decision.upstream_header;
         self.set_http_request_header(name, Some(value));
         clear_route_cache();
-        let inflight = Arc::clone(&self.app.borrow().handles().inflight);
         let mut exchange = ChatExchange::new(decision);
         let prefill = exchange.decision().pd.as_ref().map(|pd| {
             self.set_http_request_body(0, self.body_size, &pd.body);
@@ -142,12 +141,9 @@ impl Filter {
         if let Some((worker, request)) = prefill {
             match dispatch(&request) {
                 Ok(token) => {
-                    self.app.borrow().on_dispatch(&worker.id);
+                    let inflight = self.app.borrow().on_dispatch(&worker.id, exchange.decision().prefill_tokens);
                     exchange.dispatched(&worker.id);
-                    self.prefill = Some(PrefillCall {
-                        token,
-                        inflight: Some(InflightGuard::acquire(Arc::clone(&inflight), &worker.id)),
-                    });
+                    self.prefill = Some(PrefillCall { token, inflight: Some(inflight) });
                 }
                 Err(e) => {
                     return self.fail(&RouteError::new(
@@ -158,9 +154,10 @@ impl Filter {
             }
         }
         let upstream = Arc::clone(exchange.decision().target.upstream());
-        self.app.borrow().on_dispatch(&upstream.id);
+        // The upstream does the prefill work unless a prefill engine did it.
+        let prefill_tokens = if exchange.decision().pd.is_some() { 0 } else { exchange.decision().prefill_tokens };
+        self.inflight = Some(self.app.borrow().on_dispatch(&upstream.id, prefill_tokens));
         exchange.dispatched(&upstream.id);
-        self.inflight = Some(InflightGuard::acquire(inflight, &upstream.id));
         for notice in &exchange.decision().notices {
             // Fire and forget: its answer, if any, is ignored.
             if let Err(e) = dispatch(notice) {

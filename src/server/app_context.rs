@@ -13,11 +13,13 @@ use super::upstream::UpstreamHeader;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::RouterConfig;
+use crate::policies::pressure::prefill_rate;
 use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
 use crate::state::keys;
 use crate::state::kv_events::remote::IndexerClient;
+use crate::state::load_monitor::{InflightGuard, PrefillWork};
 
 pub struct AppContext {
     config: Arc<RouterConfig>,
@@ -80,11 +82,20 @@ impl AppContext {
         &self.headers
     }
 
-    /// A request (or prefill callout) was sent to `worker`.
-    pub fn on_dispatch(&self, worker: &str) {
+    /// A request (or prefill callout) bringing `prefill_tokens` uncached tokens was sent to
+    /// `worker`: the breaker hears of it, and the returned guard holds its in-flight slot and its
+    /// share of the engine's pending prefill until the stage ends.
+    pub fn on_dispatch(&self, worker: &str, prefill_tokens: u64) -> InflightGuard {
         if let Some(b) = &self.breakers {
             b.on_dispatch(worker);
         }
+        let assumed = self.config.load.prefill_tokens_per_s / 1000.0;
+        let tokens_per_ms = prefill_rate(self.handles.load.snapshot().get(worker), assumed);
+        InflightGuard::acquire(
+            Arc::clone(&self.handles.inflight),
+            worker,
+            PrefillWork { tokens: prefill_tokens, tokens_per_ms },
+        )
     }
 
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results

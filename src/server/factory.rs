@@ -107,6 +107,7 @@ pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Resolve
                         instance: format!("{model}/{}/{}", b.id, stage.as_str()),
                         model: model_config,
                         bytes_per_token: config.tokens.bytes_per_token,
+                        prefill_tokens_per_ms: config.load.prefill_tokens_per_s / 1000.0,
                     };
                     build_group(&site, g, handles)
                 };
@@ -138,6 +139,7 @@ struct GroupSite<'a> {
     instance: String,
     model: &'a ModelConfig,
     bytes_per_token: u64,
+    prefill_tokens_per_ms: f64,
 }
 
 fn build_group(site: &GroupSite<'_>, group: &GroupConfig, handles: &StateHandles) -> EngineGroup {
@@ -207,6 +209,7 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
             gate,
             Arc::clone(&handles.random),
             site.bytes_per_token,
+            site.prefill_tokens_per_ms,
         )),
     }
 }

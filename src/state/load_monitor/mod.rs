@@ -8,7 +8,7 @@ mod reports;
 mod shared_view;
 mod table;
 
-pub use inflight::{InflightGuard, InflightTable, MemoryInflight, SharedInflight};
+pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork, SharedInflight};
 pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};
 pub use shared_view::SharedLoadView;

@@ -20,6 +20,9 @@ pub struct EngineLoad {
     pub waiting_uncached_tokens: Option<u64>,
     /// Estimated time to drain the waiting uncached tokens at the measured prefill throughput.
     pub prefill_queue_ms: Option<f64>,
+    /// Measured prefill throughput, tokens per busy millisecond, summed over the ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_tokens_per_ms: Option<f64>,
     /// When the oldest rank's report was taken.
     pub reported_at_ms: u64,
     /// The worker's dispatch counter when that report arrived (for load_based's correction).
@@ -144,6 +147,7 @@ fn aggregate(w: &WorkerLoad, now_ms: u64, stale_after_ms: u64) -> Option<EngineL
         .iter()
         .map(|s| Some(s.report.waiting_uncached_tokens? as f64 / s.prefill_tokens_per_ms?))
         .try_fold(0.0f64, |acc: f64, v| v.map(|v| acc.max(v)));
+    let rate = samples.iter().map(|s| s.prefill_tokens_per_ms).try_fold(0.0f64, |acc, v| v.map(|v| acc + v));
     let kv_capacity = sum(reports().map(|r| r.kv_capacity));
     let kv_used = sum(reports().map(|r| r.kv_used));
     Some(EngineLoad {
@@ -155,6 +159,7 @@ fn aggregate(w: &WorkerLoad, now_ms: u64, stale_after_ms: u64) -> Option<EngineL
         max_running: sum(reports().map(|r| r.max_running)),
         waiting_uncached_tokens: waiting_uncached,
         prefill_queue_ms: queue_ms,
+        prefill_tokens_per_ms: rate,
         reported_at_ms: samples.iter().map(|s| s.at_ms).min().unwrap_or(now_ms),
         dispatches_at_report: w.dispatches_at_report,
     })

@@ -19,6 +19,8 @@ pub struct Selection {
     pub bucket_id: String,
     pub pick: BucketPick,
     pub skipped: Vec<SkippedBucket>,
+    /// The input length the buckets were resolved with (exact when the indexer counted it).
+    pub input_tokens: u64,
 }
 
 /// A bucket that could not supply its selection and why.
@@ -130,7 +132,10 @@ pub fn select(
         let mut skipped = Vec::new();
         for bucket in buckets {
             match bucket.pick_engines(&live, &request).await {
-                Ok(pick) => return Ok(Selection { bucket_id: bucket.id.clone(), pick, skipped }),
+                Ok(pick) => {
+                    let input_tokens = request.input_tokens;
+                    return Ok(Selection { bucket_id: bucket.id.clone(), pick, skipped, input_tokens });
+                }
                 Err(failure) => {
                     let attempt =
                         SkippedBucket { bucket_id: bucket.id.clone(), stage: failure.stage, error: failure.error };

@@ -56,6 +56,9 @@ pub struct Decision {
     pub prefix_event: Option<PrefixEvent>,
     /// Fire-and-forget callouts once dispatched: the indexer's routed notice (spec §7).
     pub notices: Vec<CalloutRequest>,
+    /// The input tokens the prefill engine does not hold by the request's prefix lookups (all of
+    /// them without one): the work its pending-prefill estimate gains.
+    pub prefill_tokens: u64,
 }
 
 impl Decision {
@@ -149,9 +152,11 @@ impl PendingChat {
             (Some(client), Some((_, Some(handle)))) => vec![client.routed_notice(&handle, &target.prefill_work().id)],
             _ => Vec::new(),
         };
+        let prefill_tokens = selection.input_tokens.saturating_sub(self.memo.matched_tokens(&target.prefill_work().id));
         Poll::Ready(ChatOutcome {
             counters,
             result: Ok(Decision {
+                prefill_tokens,
                 bucket_id: selection.bucket_id,
                 upstream_header: self.upstream.for_worker(target.upstream()),
                 target,

@@ -147,6 +147,7 @@ mod tests {
             pd: None,
             prefix_event: Some(event("A")),
             notices: vec![],
+            prefill_tokens: 0,
         });
         x.dispatched("A");
         x
@@ -161,6 +162,7 @@ mod tests {
             pd: Some(PdDispatch { prefill: p, body: vec![], rooms: vec![1], prefill_timeout_ms: 1 }),
             prefix_event: Some(event("P")),
             notices: vec![],
+            prefill_tokens: 0,
         });
         x.dispatched("P");
         x.dispatched("D");
