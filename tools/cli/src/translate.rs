@@ -21,11 +21,14 @@ fn bad(flag: &str, why: impl Into<String>) -> TranslateError {
     TranslateError::BadValue { flag: flag.to_string(), why: why.into() }
 }
 
-/// The result, plus notes for what belongs elsewhere (listener address, for instance).
+/// The result, plus notes for what belongs elsewhere (listener address, for instance) and every
+/// option refused, each saying what to use instead. The configuration carries only what keeps its
+/// meaning; with refusals it is not the same router, so the CLI prints it only when asked.
 #[derive(Debug)]
 pub struct Translation {
     pub config: Value,
     pub notes: Vec<String>,
+    pub refused: Vec<TranslateError>,
 }
 
 const POLICIES: &[&str] = &["random", "round_robin", "power_of_two", "cache_aware", "load_based"];
@@ -59,7 +62,8 @@ fn refused_reason(flag: &str, value: Option<&str>) -> Option<&'static str> {
 fn unfaithful_reason(flag: &str) -> Option<&'static str> {
     Some(match flag {
         "--balance-abs-threshold" | "--balance-rel-threshold" => {
-            "sglang-router's load-imbalance switch has no equivalent; cache_aware uses the pressure guard"
+            "sglang-router's load-imbalance switch has no equivalent; cache_aware moves requests off busy holders by \
+             their expected wait, and by pressure_guard.max_extra_waiting_requests / worker_queue_limit if set"
         }
         "--eviction-interval-secs" => "the prefix index evicts by LRU under its token budget, not on a timer",
         "--cb-success-threshold" | "--cb-window-duration-secs" => {
@@ -124,8 +128,11 @@ fn whole(flag: &str, values: &[&str]) -> Result<u64, TranslateError> {
     one(flag, values)?.parse::<u64>().map_err(|_| bad(flag, "is not a whole number"))
 }
 
+/// Every option is read: what cannot be carried over is collected in `refused`, not fatal.
+/// `Err` is only for a command line that names no workers or cannot be split into options.
 pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateError> {
     let parsed = split(args)?;
+    let mut refused = Vec::new();
     let mut notes = Vec::new();
     let mut plain_urls: Vec<String> = Vec::new();
     let mut prefills: Vec<(String, Option<u16>)> = Vec::new();
@@ -140,93 +147,103 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     let mut max_inflight: Option<u64> = None;
     let mut filter_overloaded = false;
 
+    // A refused --decode-policy was still given: no second refusal for the default it replaces.
+    let decode_given = parsed.items.iter().any(|(flag, _)| *flag == "--decode-policy");
     for (flag, values) in &parsed.items {
         let flag = *flag;
-        if let Some(why) = refused_reason(flag, values.first().copied()) {
-            return Err(refuse(flag, why));
-        }
-        if let Some(why) = unfaithful_reason(flag) {
-            return Err(refuse(flag, why));
-        }
-        match flag {
-            "--worker-urls" => plain_urls.extend(values.iter().map(|v| v.to_string())),
-            "--pd-disaggregation" => pd = true,
-            "--prefill" => match values.as_slice() {
-                [url] => prefills.push((url.to_string(), None)),
-                [url, port] if port.eq_ignore_ascii_case("none") => prefills.push((url.to_string(), None)),
-                [url, port] => prefills.push((
-                    url.to_string(),
-                    Some(port.parse().map_err(|_| bad(flag, "bootstrap port is not a port"))?),
+        let mut read = || -> Result<(), TranslateError> {
+            if let Some(why) = refused_reason(flag, values.first().copied()) {
+                return Err(refuse(flag, why));
+            }
+            if let Some(why) = unfaithful_reason(flag) {
+                return Err(refuse(flag, why));
+            }
+            match flag {
+                "--worker-urls" => plain_urls.extend(values.iter().map(|v| v.to_string())),
+                "--pd-disaggregation" => pd = true,
+                "--prefill" => match values.as_slice() {
+                    [url] => prefills.push((url.to_string(), None)),
+                    [url, port] if port.eq_ignore_ascii_case("none") => prefills.push((url.to_string(), None)),
+                    [url, port] => prefills.push((
+                        url.to_string(),
+                        Some(port.parse().map_err(|_| bad(flag, "bootstrap port is not a port"))?),
+                    )),
+                    _ => return Err(bad(flag, "takes URL [BOOTSTRAP_PORT]")),
+                },
+                "--decode" => decodes.push(one(flag, values)?.to_string()),
+                "--policy" | "--prefill-policy" | "--decode-policy" => {
+                    let name = one(flag, values)?;
+                    if !POLICIES.contains(&name) {
+                        return Err(refuse(&format!("{flag} {name}"), "unknown policy"));
+                    }
+                    match flag {
+                        "--policy" => policy = name.to_string(),
+                        "--prefill-policy" => prefill_policy = Some(name.to_string()),
+                        _ => decode_policy = Some(name.to_string()),
+                    }
+                }
+                "--cache-threshold" => {
+                    let t = number(flag, values)?;
+                    // sglang-router's threshold is a match-ratio gate; 0 means no gate.
+                    if t > 0.0 {
+                        cache.insert("min_hit_ratio".into(), json!(t));
+                    }
+                    // It has no token minimum, so none is added.
+                    cache.insert("min_hit_tokens".into(), json!(0));
+                }
+                "--max-tree-size" => {
+                    // Counted in characters there; in tokens of 4 bytes here.
+                    cache.insert("max_tree_tokens".into(), json!(whole(flag, values)?.div_ceil(4).max(1)));
+                }
+                "--max-in-flight" => max_inflight = Some(whole(flag, values)?),
+                "--filter" => match one(flag, values)? {
+                    "overloaded" => filter_overloaded = true,
+                    other => return Err(refuse(&format!("--filter {other}"), "unknown filter")),
+                },
+                "--health-failure-threshold" => {
+                    health.insert("failure_threshold".into(), json!(whole(flag, values)?));
+                }
+                "--health-success-threshold" => {
+                    health.insert("success_threshold".into(), json!(whole(flag, values)?));
+                }
+                "--health-check-timeout-secs" => {
+                    health.insert("timeout_ms".into(), json!(seconds_ms(flag, values)?));
+                }
+                "--health-check-interval-secs" => {
+                    health.insert("interval_ms".into(), json!(seconds_ms(flag, values)?));
+                }
+                "--health-check-endpoint" => {
+                    health.insert("path".into(), json!(one(flag, values)?));
+                }
+                "--request-timeout-secs" => {
+                    timeouts.insert("request_ms".into(), json!(seconds_ms(flag, values)?));
+                }
+                "--cb-failure-threshold" => {
+                    if let Some(b) = breaker.as_mut() {
+                        b.insert("failure_threshold".into(), json!(whole(flag, values)?));
+                    }
+                }
+                "--cb-timeout-duration-secs" => {
+                    if let Some(b) = breaker.as_mut() {
+                        b.insert("cooldown_ms".into(), json!(seconds_ms(flag, values)?));
+                    }
+                }
+                "--disable-circuit-breaker" => breaker = None,
+                "--host" | "--port" => notes.push(format!(
+                    "{flag} {}: the listener is Envoy's; pass it to `render --listen`",
+                    values.join(" ")
                 )),
-                _ => return Err(bad(flag, "takes URL [BOOTSTRAP_PORT]")),
-            },
-            "--decode" => decodes.push(one(flag, values)?.to_string()),
-            "--policy" | "--prefill-policy" | "--decode-policy" => {
-                let name = one(flag, values)?;
-                if !POLICIES.contains(&name) {
-                    return Err(refuse(&format!("{flag} {name}"), "unknown policy"));
-                }
-                match flag {
-                    "--policy" => policy = name.to_string(),
-                    "--prefill-policy" => prefill_policy = Some(name.to_string()),
-                    _ => decode_policy = Some(name.to_string()),
-                }
+                other => return Err(refuse(other, "unknown option, or one this router cannot reproduce")),
             }
-            "--cache-threshold" => {
-                let t = number(flag, values)?;
-                // sglang-router's threshold is a match-ratio gate; 0 means no gate.
-                if t > 0.0 {
-                    cache.insert("min_hit_ratio".into(), json!(t));
-                }
-                // It has no token minimum, so none is added.
-                cache.insert("min_hit_tokens".into(), json!(0));
-            }
-            "--max-tree-size" => {
-                // Counted in characters there; in tokens of 4 bytes here.
-                cache.insert("max_tree_tokens".into(), json!(whole(flag, values)?.div_ceil(4).max(1)));
-            }
-            "--max-in-flight" => max_inflight = Some(whole(flag, values)?),
-            "--filter" => match one(flag, values)? {
-                "overloaded" => filter_overloaded = true,
-                other => return Err(refuse(&format!("--filter {other}"), "unknown filter")),
-            },
-            "--health-failure-threshold" => {
-                health.insert("failure_threshold".into(), json!(whole(flag, values)?));
-            }
-            "--health-success-threshold" => {
-                health.insert("success_threshold".into(), json!(whole(flag, values)?));
-            }
-            "--health-check-timeout-secs" => {
-                health.insert("timeout_ms".into(), json!(seconds_ms(flag, values)?));
-            }
-            "--health-check-interval-secs" => {
-                health.insert("interval_ms".into(), json!(seconds_ms(flag, values)?));
-            }
-            "--health-check-endpoint" => {
-                health.insert("path".into(), json!(one(flag, values)?));
-            }
-            "--request-timeout-secs" => {
-                timeouts.insert("request_ms".into(), json!(seconds_ms(flag, values)?));
-            }
-            "--cb-failure-threshold" => {
-                if let Some(b) = breaker.as_mut() {
-                    b.insert("failure_threshold".into(), json!(whole(flag, values)?));
-                }
-            }
-            "--cb-timeout-duration-secs" => {
-                if let Some(b) = breaker.as_mut() {
-                    b.insert("cooldown_ms".into(), json!(seconds_ms(flag, values)?));
-                }
-            }
-            "--disable-circuit-breaker" => breaker = None,
-            "--host" | "--port" => notes
-                .push(format!("{flag} {}: the listener is Envoy's; pass it to `render --listen`", values.join(" "))),
-            other => return Err(refuse(other, "unknown option, or one this router cannot reproduce")),
+            Ok(())
+        };
+        if let Err(e) = read() {
+            refused.push(e);
         }
     }
 
     if filter_overloaded && max_inflight.is_none() {
-        return Err(bad("--filter overloaded", "needs --max-in-flight N"));
+        refused.push(bad("--filter overloaded", "needs --max-in-flight N"));
     }
     let mut admission = Map::new();
     if let Some(n) = max_inflight {
@@ -264,12 +281,13 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
         for (i, url) in decodes.iter().enumerate() {
             workers.push(json!({"id": format!("decode-{i}"), "url": url, "model": model, "role": "decode"}));
         }
-        let decode_name = decode_policy.clone().unwrap_or_else(|| policy.clone());
-        if decode_name == "cache_aware" {
-            return Err(refuse(
+        let mut decode_name = decode_policy.clone().unwrap_or_else(|| policy.clone());
+        if decode_name == "cache_aware" && (decode_policy.is_some() || !decode_given) {
+            refused.push(refuse(
                 if decode_policy.is_some() { "--decode-policy cache_aware" } else { "--policy cache_aware" },
                 "cache_aware is valid only for prefill; give --decode-policy (e.g. power_of_two)",
             ));
+            decode_name = "power_of_two".to_string();
         }
         json!({"pd": {
             "prefill": {"policy": group_policy(prefill_policy.as_deref().unwrap_or(&policy))},
@@ -280,7 +298,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
             return Err(TranslateError::NoWorkers);
         }
         if prefill_policy.is_some() || decode_policy.is_some() {
-            return Err(bad("--prefill-policy/--decode-policy", "apply only with --pd-disaggregation"));
+            refused.push(bad("--prefill-policy/--decode-policy", "apply only with --pd-disaggregation"));
         }
         for (i, url) in plain_urls.iter().enumerate() {
             workers.push(json!({"id": format!("worker-{i}"), "url": url, "model": model, "role": "plain"}));
@@ -305,7 +323,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     if !timeouts.is_empty() {
         config["timeouts"] = Value::Object(timeouts);
     }
-    Ok(Translation { config, notes })
+    Ok(Translation { config, notes, refused })
 }
 
 #[cfg(test)]
@@ -319,6 +337,7 @@ mod tests {
     /// A translation that validates.
     fn valid(s: &str) -> Value {
         let t = translate("m", &args(s)).unwrap();
+        assert!(t.refused.is_empty(), "{:?}", t.refused);
         sgl_envoy_router::config::from_value(t.config.clone()).unwrap_or_else(|e| panic!("{e}"));
         t.config
     }
@@ -329,11 +348,10 @@ mod tests {
     }
 
     fn refused(s: &str, flag: &str) {
-        match translate("m", &args(s)) {
-            Err(TranslateError::Refused { flag: f, .. }) => {
-                assert!(f.contains(flag), "{f} vs {flag}")
-            }
-            other => panic!("{s}: expected refusal of {flag}, got {other:?}"),
+        let t = translate("m", &args(s)).unwrap();
+        match t.refused.as_slice() {
+            [TranslateError::Refused { flag: f, .. }] => assert!(f.contains(flag), "{f} vs {flag}"),
+            other => panic!("{s}: expected one refusal, of {flag}, got {other:?}"),
         }
     }
 
@@ -359,7 +377,7 @@ mod tests {
             c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["admission"]["max_inflight_requests"],
             32
         );
-        assert!(translate("m", &args("--worker-urls http://a:1 --filter overloaded")).is_err());
+        assert_eq!(translate("m", &args("--worker-urls http://a:1 --filter overloaded")).unwrap().refused.len(), 1);
     }
 
     #[test]
@@ -426,6 +444,42 @@ mod tests {
             (Some("cache_aware"), Some(0.5), Some(1024))
         );
         refused("--pd-disaggregation --prefill http://p:1 --decode http://d:1", "--policy cache_aware");
+    }
+
+    #[test]
+    fn a_typical_cache_aware_command_line_lists_every_refusal_and_keeps_the_rest() {
+        let t = translate(
+            "m",
+            &args(
+                "--worker-urls http://a:1 http://b:2 --policy cache_aware --cache-threshold 0.3 \
+                 --balance-abs-threshold 32 --balance-rel-threshold 1.5 --eviction-interval-secs 60 \
+                 --max-tree-size 67108864 --health-check-interval-secs 10 --request-timeout-secs 1800 \
+                 --host 0.0.0.0 --port 30000 --frobnicate 1",
+            ),
+        )
+        .unwrap();
+        let flags: Vec<String> = t
+            .refused
+            .iter()
+            .map(|e| match e {
+                TranslateError::Refused { flag, .. } | TranslateError::BadValue { flag, .. } => flag.clone(),
+                TranslateError::NoWorkers => String::new(),
+            })
+            .collect();
+        assert_eq!(
+            flags,
+            ["--balance-abs-threshold", "--balance-rel-threshold", "--eviction-interval-secs", "--frobnicate"]
+        );
+        assert!(t.refused.iter().all(|e| e.to_string().len() > 40), "each says what to use instead");
+        let c = &t.config;
+        let p = &c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"];
+        assert_eq!((p["type"].as_str(), p["min_hit_ratio"].as_f64()), (Some("cache_aware"), Some(0.3)));
+        assert_eq!(
+            (c["health"]["interval_ms"].as_u64(), c["timeouts"]["request_ms"].as_u64()),
+            (Some(10_000), Some(1_800_000))
+        );
+        assert_eq!(t.notes.len(), 2, "host and port go to render --listen");
+        sgl_envoy_router::config::from_value(t.config.clone()).unwrap();
     }
 
     #[test]
