@@ -3,7 +3,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use sgl_envoy_router_cli::document;
-use sgl_envoy_router_cli::render::{render, RenderOptions, DEFAULT_WASM};
+use sgl_envoy_router_cli::render::{render, render_snippet, RenderOptions, DEFAULT_WASM};
 use sgl_envoy_router_cli::translate::translate;
 
 #[derive(Parser)]
@@ -29,12 +29,19 @@ enum Command {
         /// Admin port (always bound to loopback).
         #[arg(long, default_value_t = 9901)]
         admin: u16,
+        /// Only what an existing Envoy needs (filter entry, routes, clusters, bootstrap service,
+        /// stats labels), each with a comment naming where it goes.
+        #[arg(long)]
+        snippet: bool,
     },
     /// Turn an sglang-router 0.3.2 command line into a router configuration (YAML on stdout).
     Translate {
         /// The served model name the workers get.
         #[arg(long)]
         model: String,
+        /// Write what carries over even when some options are refused (listed as comments).
+        #[arg(long)]
+        skip_refused: bool,
         /// sglang-router's launch arguments, after `--`.
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -51,8 +58,8 @@ fn main() -> ExitCode {
             }
             Err(errors) => report(&config, &errors),
         },
-        Command::Translate { model, args } => run_translate(&model, &args),
-        Command::Render { config, wasm, listen, admin } => {
+        Command::Translate { model, skip_refused, args } => run_translate(&model, &args, skip_refused),
+        Command::Render { config, wasm, listen, admin, snippet } => {
             let Some((address, port)) = listen.rsplit_once(':').and_then(|(a, p)| Some((a, p.parse().ok()?))) else {
                 eprintln!("error: --listen must be ADDR:PORT, got `{listen}`");
                 return ExitCode::FAILURE;
@@ -67,7 +74,8 @@ fn main() -> ExitCode {
                 listen_port: port,
                 admin_port: admin,
             };
-            match render(&loaded, &options) {
+            let rendered = if snippet { render_snippet(&loaded, &options) } else { render(&loaded, &options) };
+            match rendered {
                 Ok(yaml) => {
                     print!("{yaml}");
                     ExitCode::SUCCESS
@@ -81,7 +89,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_translate(model: &str, args: &[String]) -> ExitCode {
+fn run_translate(model: &str, args: &[String], skip_refused: bool) -> ExitCode {
     let translation = match translate(model, args) {
         Ok(t) => t,
         Err(e) => {
@@ -91,6 +99,16 @@ fn run_translate(model: &str, args: &[String]) -> ExitCode {
     };
     for note in &translation.notes {
         eprintln!("note: {note}");
+    }
+    for refusal in &translation.refused {
+        eprintln!("refused: {refusal}");
+    }
+    if !translation.refused.is_empty() && !skip_refused {
+        eprintln!(
+            "error: {} option(s) refused; nothing written (--skip-refused writes the rest, with the refusals as comments)",
+            translation.refused.len()
+        );
+        return ExitCode::FAILURE;
     }
     let yaml = match serde_yaml_ng::to_string(&translation.config) {
         Ok(y) => y,
@@ -106,7 +124,11 @@ fn run_translate(model: &str, args: &[String]) -> ExitCode {
         }
         return ExitCode::FAILURE;
     }
-    print!("# Translated from: sglang-router {}\n{yaml}", args.join(" "));
+    println!("# Translated from: sglang-router {}", args.join(" "));
+    for refusal in &translation.refused {
+        println!("# Not carried over: {refusal}");
+    }
+    print!("{yaml}");
     ExitCode::SUCCESS
 }
 
