@@ -136,3 +136,21 @@ impl Policy for Scripted {
         Box::pin(std::future::ready(result))
     }
 }
+
+/// A valid configuration serving `models`, each on one round-robin engine.
+pub fn router_config_with_models(models: &[&str]) -> crate::config::RouterConfig {
+    let workers: Vec<_> = models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| serde_json::json!({"id": format!("W{i}"), "url": format!("http://10.0.0.{i}:30000"), "model": m}))
+        .collect();
+    let models: serde_json::Map<String, serde_json::Value> = models
+        .iter()
+        .map(|m| {
+            let bucket = serde_json::json!({"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}});
+            (m.to_string(), serde_json::json!({"buckets": [bucket]}))
+        })
+        .collect();
+    let json = serde_json::json!({"workers": workers, "models": models}).to_string();
+    crate::config::parse_and_validate(&json).unwrap_or_else(|e| panic!("{e}"))
+}

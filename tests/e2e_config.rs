@@ -108,3 +108,124 @@ fn plain_router_for_ports(ports: &[u16]) -> serde_json::Value {
         "models": {"demo-model": {"buckets": [{"id": "default", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]}}
     })
 }
+
+/// An operator's own bootstrap: two listeners, its own routes and filters, its own cluster.
+fn existing_bootstrap(port: u16, other_port: u16, admin: u16, legacy_port: u16) -> serde_json::Value {
+    let yaml = format!(
+        r#"
+admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
+static_resources:
+  listeners:
+  - name: api
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 41943040
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: api
+          route_config:
+            virtual_hosts:
+            - name: api
+              domains: ["*"]
+              routes:
+              - match: {{path: /health}}
+                route: {{cluster: legacy}}
+              - match: {{prefix: /}}
+                direct_response: {{status: 200, body: {{inline_string: "their own catch-all"}}}}
+          http_filters:
+          - name: envoy.filters.http.cors
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors}}
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  - name: other
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {other_port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: other
+          route_config:
+            virtual_hosts: [{{name: other, domains: ["*"], routes: [{{match: {{prefix: /}}, direct_response: {{status: 200, body: {{inline_string: "other listener"}}}}}}]}}]
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: legacy
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: legacy
+      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {legacy_port}}}}}}}}}]}}]
+"#
+    );
+    serde_yaml_ng::from_str(&yaml).unwrap()
+}
+
+#[test]
+fn the_rendered_snippet_merges_into_an_existing_bootstrap_and_routes_through_it() {
+    let dir = scratch_dir("snippet_merge");
+    let sims = [Sim::start(SimSpec::plain("A"), &dir), Sim::start(SimSpec::plain("B"), &dir)];
+    let router_path = dir.join("router.json");
+    std::fs::write(&router_path, plain_router(&sims).to_string()).unwrap();
+    let out = std::process::Command::new(cli_bin())
+        .args(["render", router_path.to_str().unwrap(), "--snippet", "--wasm", wasm_module().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    for says in [
+        "http_filters, before envoy.filters.http.router",
+        "before any catch-all route",
+        "static_resources.clusters",
+        "bootstrap_extensions",
+        "stats_tags",
+    ] {
+        assert!(text.contains(says), "the snippet's comments name where each part goes: {says}\n{text}");
+    }
+    let snippet: serde_json::Value = serde_yaml_ng::from_str(&text).unwrap();
+    assert!(snippet.get("admin").is_none() && snippet.get("static_resources").is_none(), "only the parts");
+
+    // Merge it as an operator would, by hand: each part where its comment says.
+    let (port, other_port, admin) = (free_port(), free_port(), free_port());
+    let mut bootstrap = existing_bootstrap(port, other_port, admin, sims[1].port);
+    let hcm = &mut bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+    let filters = hcm["http_filters"].as_array_mut().unwrap();
+    filters.insert(filters.len() - 1, snippet["http_filters"][0].clone());
+    let routes = hcm["route_config"]["virtual_hosts"][0]["routes"].as_array_mut().unwrap();
+    for (i, route) in snippet["routes"].as_array().unwrap().iter().enumerate() {
+        routes.insert(i, route.clone());
+    }
+    bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .unwrap()
+        .extend(snippet["clusters"].as_array().unwrap().iter().cloned());
+    bootstrap["bootstrap_extensions"] = snippet["bootstrap_extensions"].clone();
+    bootstrap["stats_config"] = serde_json::json!({"stats_tags": snippet["stats_tags"]});
+    let path = dir.join("merged.yaml");
+    std::fs::write(&path, serde_yaml_ng::to_string(&bootstrap).unwrap()).unwrap();
+
+    let envoy = Envoy::start(&path, port, admin, &dir);
+    let served: Vec<String> = (0..4)
+        .map(|i| {
+            let r = send(&envoy.url("/v1/chat/completions"), "POST", Some(&chat_body(&format!("q{i}"), 2, false)), &[]);
+            assert_eq!(r.status, 200, "{}", r.body);
+            assert!(r.header("x-sgl-worker").is_some(), "the filter picked the engine");
+            r.engine()
+        })
+        .collect();
+    assert!(
+        served.contains(&"A".to_string()) && served.contains(&"B".to_string()),
+        "round robin over both: {served:?}"
+    );
+    let r = send(&envoy.url("/generate"), "POST", Some(&serde_json::json!({"text": "x"})), &[]);
+    assert_eq!(r.status, 404, "no model serves /generate here: {}", r.body);
+    // Their own routes, filters and listener still work.
+    assert_eq!(send(&envoy.url("/somewhere"), "GET", None, &[]).body, "their own catch-all");
+    let legacy = send(&envoy.url("/health"), "GET", None, &[]);
+    assert_eq!(legacy.status, 200, "their own cluster: {}", legacy.body);
+    assert_eq!(send(&format!("http://127.0.0.1:{other_port}/"), "GET", None, &[]).body, "other listener");
+    assert!(envoy.admin("/stats/prometheus").contains("sgl_router_picks_total{"), "the stats labels came along");
+}

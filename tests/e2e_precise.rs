@@ -239,3 +239,71 @@ fn a_burst_sharing_a_new_prefix_lands_on_one_engine() {
     let indexer: Vec<&str> = metrics.lines().filter(|l| !l.starts_with('#')).collect();
     assert!(engines.iter().all(|e| e == first), "the burst scattered: {engines:?}\n{indexer:#?}");
 }
+
+/// Dynamo's standalone KV indexer (`python -m dynamo.indexer`, ai-dynamo-runtime in `.venv`) on
+/// the engines' events; engines are named by integer ids, as Dynamo's `--workers` takes them.
+fn start_dynamo_indexer(dir: &std::path::Path, port: u16, workers: &[(&str, u16)]) -> Process {
+    let workers: Vec<String> = workers.iter().map(|(id, events)| format!("{id}=tcp://127.0.0.1:{events}")).collect();
+    let mut cmd = std::process::Command::new(repo_root().join(".venv/bin/python"));
+    cmd.args(["-m", "dynamo.indexer", "--block-size", "16", "--threads", "1", "--model-name", "demo-model"]).args([
+        "--port",
+        &port.to_string(),
+        "--workers",
+        &workers.join(","),
+    ]);
+    Process::spawn("dynamo-indexer", &mut cmd, dir.join("dynamo-indexer.log"))
+}
+
+#[test]
+fn token_id_requests_route_on_dynamos_indexer() {
+    let indexer_port = free_port();
+    let engine = |id: &str| {
+        let (mut spec, events, _replay) = publishing(id);
+        spec.extra.extend(["--page-size".to_string(), "16".to_string()]);
+        (spec, events)
+    };
+    let ((one, one_events), (two, two_events)) = (engine("1"), engine("2"));
+    let d = Deployment::start("precise_dynamo", vec![one, two], |sims| {
+        json!({
+            "workers": sims.iter().map(Sim::worker_json).collect::<Vec<_>>(),
+            "health": {"interval_ms": 200, "timeout_ms": 150, "failure_threshold": 2, "success_threshold": 1},
+            "prefix_index": {"url": format!("http://127.0.0.1:{indexer_port}"), "timeout_ms": 500, "api": "dynamo"},
+            "models": {"demo-model": {"serve_generate": true, "buckets": [{"id": "all", "groups": {"plain": {"policy": {
+                "type": "cache_aware", "source": "remote", "min_hit_tokens": 64}}}}]}}
+        })
+    });
+    d.wait_for_service(2);
+    let mut dynamo = start_dynamo_indexer(&d.dir, indexer_port, &[("1", one_events), ("2", two_events)]);
+    let query = format!("http://127.0.0.1:{indexer_port}/query");
+    let through_envoy = |path: &str, body: Value| send(&d.envoy.url(path), "POST", Some(&body), &[]);
+    let prefix: Vec<u32> = (1000..1320).collect();
+    wait_for("Dynamo's indexer to answer", Duration::from_secs(60), || {
+        assert!(dynamo.is_running(), "Dynamo's indexer exited:\n{}", dynamo.log_text());
+        let probe = json!({"token_ids": [1, 2], "model_name": "demo-model"});
+        agent().post(&query).header("content-type", "application/json").send(probe.to_string()).ok().map(|_| ())
+    });
+    // Engine 2 alone computes the prefix; only its events tell anyone.
+    let direct = json!({"input_ids": prefix, "sampling_params": {"max_new_tokens": 1}});
+    let r = send(&d.sim("2").url("/generate"), "POST", Some(&direct), &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    wait_for("engine 2's blocks in Dynamo's index", Duration::from_secs(20), || {
+        let v = send(&query, "POST", Some(&json!({"token_ids": prefix, "model_name": "demo-model"})), &[]).json();
+        (v["scores"]["2"]["0"].as_u64()? >= 300).then_some(())
+    });
+    let mut longer = prefix.clone();
+    longer.extend(5000..5016);
+    for i in 0..3 {
+        let r = through_envoy("/generate", json!({"input_ids": longer, "sampling_params": {"max_new_tokens": 2}}));
+        assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("2")), "request {i}: {}", r.body);
+    }
+    let r = through_envoy("/v1/completions", json!({"model": "demo-model", "prompt": longer, "max_tokens": 2}));
+    assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("2")), "{}", r.body);
+    assert!(d.envoy.metric("sgl_router_prefix_lookups_total{result=\"hit\"}").unwrap_or(0.0) >= 4.0);
+    // A prompt neither engine holds goes by load, where engine 1 comes first.
+    let r = through_envoy(
+        "/generate",
+        json!({"input_ids": (9000..9200).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 1}}),
+    );
+    assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("1")), "{}", r.body);
+    dynamo.stop();
+}

@@ -57,6 +57,24 @@ pub struct PrefixIndexConfig {
     pub token_header: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// Which indexer answers: `sgl` (ours: chat bodies and token ids) or `dynamo` (Dynamo's
+    /// standalone KV indexer: token ids only, engines named by integer worker ids).
+    #[serde(default, skip_serializing_if = "IndexerApi::is_sgl")]
+    pub api: IndexerApi,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IndexerApi {
+    #[default]
+    Sgl,
+    Dynamo,
+}
+
+impl IndexerApi {
+    pub fn is_sgl(&self) -> bool {
+        *self == IndexerApi::Sgl
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -279,6 +297,9 @@ pub struct ModelConfig {
     /// A Jinja chat template file, or a `tokenizer_config.json` with a `chat_template`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// SGLang's `POST /generate` names no model: the one model that sets this serves it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub serve_generate: bool,
     pub buckets: Vec<BucketConfig>,
 }
 

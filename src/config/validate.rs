@@ -173,6 +173,17 @@ fn validate_models(config: &RouterConfig, workers: &HashMap<&str, (&str, Role)>,
     if config.models.is_empty() {
         errors.push(ConfigError::new("models", "at least one model is required"));
     }
+    let generate: Vec<&str> = config.models.iter().filter(|(_, m)| m.serve_generate).map(|(n, _)| n.as_str()).collect();
+    if generate.len() > 1 {
+        let mut names = generate;
+        names.sort_unstable();
+        for name in &names[1..] {
+            errors.push(ConfigError::new(
+                format!("models.{name}.serve_generate"),
+                format!("only one model can serve /generate; `{}` already does", names[0]),
+            ));
+        }
+    }
     for (name, model) in &config.models {
         let path = format!("models.{name}");
         if name.trim().is_empty() {

@@ -18,8 +18,8 @@ use super::stats::Stats;
 use crate::host::CalloutResponse;
 use crate::server::metrics;
 use crate::server::routes::chat::pd::{forwarded_headers, Flow, PrefillDone};
-use crate::server::routes::chat::{body_step, BodyStep, ChatExchange, Effects, PendingChat};
-use crate::server::routes::models::list_models;
+use crate::server::routes::chat::{body_step, BodyStep, ChatExchange, Effects, Endpoint, PendingChat};
+use crate::server::routes::models::{list_models, retrieve_model};
 use crate::server::routes::{method_not_allowed, route, Route};
 use crate::server::{AppContext, Decision, ErrorKind, RouteError};
 use crate::state::load_monitor::InflightGuard;
@@ -35,7 +35,8 @@ pub struct Filter {
     stats: Rc<Stats>,
     /// Set when the configuration asks responses to say which VM decided.
     vm_header: Option<String>,
-    is_chat: bool,
+    /// The generation endpoint this request is for, if any.
+    endpoint: Option<Endpoint>,
     body_size: usize,
     /// Session and routing-key headers, read while request headers may still be read.
     keys: HashMap<String, String>,
@@ -64,7 +65,7 @@ impl Filter {
             app,
             stats,
             vm_header,
-            is_chat: false,
+            endpoint: None,
             body_size: 0,
             keys: HashMap::new(),
             pending: None,
@@ -219,18 +220,26 @@ impl HttpContext for Filter {
                 self.reply(200, &body);
                 Action::Pause
             }
-            Route::Chat => {
+            Route::RetrieveModel => {
+                let answer = retrieve_model(self.app.borrow().config(), &path);
+                match answer {
+                    Ok(body) => self.reply(200, &body),
+                    Err(error) => self.reply(error.status(), &error.body()),
+                }
+                Action::Pause
+            }
+            Route::Generation(endpoint) => {
                 let found: Vec<(String, String)> = headers
                     .keys()
                     .iter()
                     .filter_map(|name| Some((name.clone(), self.get_http_request_header(name)?)))
                     .collect();
                 self.keys.extend(found);
-                self.is_chat = true;
+                self.endpoint = Some(endpoint);
                 // The pick is not known yet and a PD pick rewrites the body.
                 self.set_http_request_header("content-length", None);
                 if end_of_stream {
-                    return self.fail(&RouteError::invalid("a chat request needs a JSON body"));
+                    return self.fail(&RouteError::invalid(format!("POST {} needs a JSON body", endpoint.path())));
                 }
                 Action::Pause
             }
@@ -249,7 +258,8 @@ impl HttpContext for Filter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.is_chat || self.exchange.is_some() {
+        let Some(endpoint) = self.endpoint else { return Action::Continue };
+        if self.exchange.is_some() {
             return Action::Continue;
         }
         if self.local_reply || self.pending.is_some() {
@@ -264,7 +274,7 @@ impl HttpContext for Filter {
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         let started = Instant::now();
         let keys = &self.keys;
-        let begun = self.app.borrow().begin_chat(&body, &|name| keys.get(name).cloned());
+        let begun = self.app.borrow().begin(endpoint, &body, &|name| keys.get(name).cloned());
         match begun {
             Ok(pending) => {
                 self.pending = Some((pending, started));

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use super::headers::ProtectedHeaders;
 use super::routes::chat::bucket_loop::IndexerLookup;
-use super::routes::chat::{self, Effects, PendingChat};
+use super::routes::chat::{self, Effects, Endpoint, PendingChat, Prepared, Prompts};
 use super::upstream::UpstreamHeader;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
@@ -121,9 +121,18 @@ impl AppContext {
         effects.counters
     }
 
-    /// Prepares a buffered chat body and starts its bucket loop. `header` reads a request header.
-    pub fn begin_chat(&self, body: &[u8], header: &dyn Fn(&str) -> Option<String>) -> Result<PendingChat, RouteError> {
-        let (facts, parsed) = chat::prepare_with_body(body, self.config.tokens.bytes_per_token)?;
+    /// Prepares a buffered body of a generation endpoint and starts its bucket loop. `header`
+    /// reads a request header.
+    pub fn begin(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+        header: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<PendingChat, RouteError> {
+        let bytes_per_token = self.config.tokens.bytes_per_token;
+        let generate_model = self.config.models.iter().find(|(_, m)| m.serve_generate).map(|(name, _)| name.as_str());
+        let Prepared { facts, body: parsed, prompts } =
+            chat::prepare_endpoint(endpoint, body, bytes_per_token, generate_model)?;
         let (Some(model), Some(resolver)) = (self.config.models.get(&facts.model), self.resolvers.get(&facts.model))
         else {
             return Err(RouteError::new(
@@ -132,25 +141,42 @@ impl AppContext {
             ));
         };
         let key = |name: &str| header(name).filter(|v| !v.is_empty());
-        let prompt_text: Option<Arc<str>> =
-            self.prefix_models.contains(&facts.model).then(|| Arc::from(chat::prompt_text(&parsed)));
+        let prompt_text: Option<Arc<str>> = self.prefix_models.contains(&facts.model).then(|| {
+            Arc::from(match &prompts {
+                Prompts::Messages => chat::prompt_text(&parsed),
+                Prompts::Texts(texts) => texts.join("\n"),
+                Prompts::TokenIds(ids) => {
+                    ids.iter().map(|p| chat::token_id_text(p, bytes_per_token)).collect::<Vec<_>>().join("\n")
+                }
+            })
+        });
         let request = BucketRequest {
             model: facts.model.clone(),
             input_tokens: facts.input_tokens,
             expected_peak_tokens: facts.expected_peak_tokens,
-            token_ids: None,
+            token_ids: prompts.single_token_ids().map(<[u32]>::to_vec),
             prompt_text: prompt_text.clone(),
             prefix_memo: Arc::default(),
             session_key: key(&model.session_id_header),
             routing_key: key(&model.routing_key_header),
         };
-        let indexer = self.indexer.as_ref().filter(|_| model.tokenizer.is_some()).map(|client| IndexerLookup {
-            answer: client.match_chat(body),
+        // One callout: a request's own token ids go to `/query` (ours or Dynamo's); a chat body to
+        // ours, which tokenizes it with the model's template. Other prompts use the estimate.
+        let answer = self.indexer.as_ref().and_then(|client| match (endpoint, prompts.single_token_ids()) {
+            (_, Some(ids)) => Some(client.match_tokens(&facts.model, ids)),
+            (Endpoint::Chat, None) if client.tokenizes_chat() && model.tokenizer.is_some() => {
+                Some(client.match_chat(body))
+            }
+            _ => None,
+        });
+        let indexer = answer.map(|answer| IndexerLookup {
+            answer,
             source: Arc::clone(&self.handles.remote_prefixes),
             output_budget: facts.output_budget,
         });
         let memo = Arc::clone(&request.prefix_memo);
         Ok(PendingChat {
+            endpoint,
             facts,
             prompt_text,
             body: Some(parsed),

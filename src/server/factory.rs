@@ -219,7 +219,15 @@ pub fn indexer_client(config: &RouterConfig, callouts: Arc<dyn crate::host::Call
     let index = config.prefix_index.as_ref()?;
     let authority = EngineAddress::parse(&index.url).ok()?.host_port();
     let token = index.token_header.clone().zip(index.token.clone());
-    Some(IndexerClient::new(callouts, index.cluster.clone(), authority, index.timeout_ms, index.max_concurrent, token))
+    Some(IndexerClient::new(
+        callouts,
+        index.cluster.clone(),
+        authority,
+        index.timeout_ms,
+        index.max_concurrent,
+        token,
+        index.api,
+    ))
 }
 
 /// Each model's prefix-tree budget in bytes: the largest `max_tree_tokens` of its `source: local`

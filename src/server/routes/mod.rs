@@ -3,15 +3,19 @@
 pub mod chat;
 pub mod models;
 
+use self::chat::Endpoint;
 use super::{ErrorKind, RouteError};
 
 /// What the filter does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
-    /// `POST /v1/chat/completions`: buffer the body and pick engines.
-    Chat,
+    /// `POST` to a generation endpoint (chat, completions, `/generate`): buffer the body and pick
+    /// engines.
+    Generation(Endpoint),
     /// `GET /v1/models`: answered by the filter from the configured models.
     ListModels,
+    /// `GET /v1/models/{id}`: one configured model, or OpenAI's 404.
+    RetrieveModel,
     /// A path of the filter's with another method: 405, and `Allow` names the one that works.
     MethodNotAllowed { allow: &'static str },
     /// Anything else goes where Envoy's own routes send it.
@@ -21,10 +25,17 @@ pub enum Route {
 /// The route of a request; the query string does not take part.
 pub fn route(method: &str, path: &str) -> Route {
     let path = path.split('?').next().unwrap_or_default();
+    if let Some(endpoint) = Endpoint::from_path(path) {
+        return match method {
+            "POST" => Route::Generation(endpoint),
+            _ => Route::MethodNotAllowed { allow: "POST" },
+        };
+    }
     match (method, path) {
-        ("POST", chat::CHAT_PATH) => Route::Chat,
         ("GET", models::MODELS_PATH) => Route::ListModels,
-        (_, chat::CHAT_PATH) => Route::MethodNotAllowed { allow: "POST" },
+        ("GET", p) if p.len() > models::MODEL_PATH_PREFIX.len() && p.starts_with(models::MODEL_PATH_PREFIX) => {
+            Route::RetrieveModel
+        }
         (_, models::MODELS_PATH) => Route::MethodNotAllowed { allow: "GET" },
         _ => Route::PassThrough,
     }
@@ -42,8 +53,11 @@ mod tests {
 
     #[test]
     fn routes_by_method_and_path_ignoring_the_query() {
-        assert_eq!(route("POST", "/v1/chat/completions"), Route::Chat);
-        assert_eq!(route("POST", "/v1/chat/completions?x=1"), Route::Chat);
+        assert_eq!(route("POST", "/v1/chat/completions"), Route::Generation(Endpoint::Chat));
+        assert_eq!(route("POST", "/v1/chat/completions?x=1"), Route::Generation(Endpoint::Chat));
+        assert_eq!(route("POST", "/v1/completions"), Route::Generation(Endpoint::Completions));
+        assert_eq!(route("POST", "/generate"), Route::Generation(Endpoint::Generate));
+        assert_eq!(route("GET", "/generate"), Route::MethodNotAllowed { allow: "POST" });
         assert_eq!(route("GET", "/v1/models"), Route::ListModels);
         assert_eq!(route("GET", "/v1/chat/completions"), Route::MethodNotAllowed { allow: "POST" });
         assert_eq!(route("DELETE", "/v1/chat/completions?a"), Route::MethodNotAllowed { allow: "POST" });
@@ -52,6 +66,8 @@ mod tests {
         let e = method_not_allowed("GET", "/v1/chat/completions?x", "POST");
         assert_eq!((e.status(), e.kind.type_name()), (405, "method_not_allowed"));
         assert_eq!(e.message, "GET is not allowed on /v1/chat/completions; use POST");
+        assert_eq!(route("GET", "/v1/models/llama?x=1"), Route::RetrieveModel);
+        assert_eq!(route("GET", "/v1/models/"), Route::PassThrough);
         assert_eq!(route("POST", "/v1/chat/completions/"), Route::PassThrough);
         assert_eq!(route("GET", "/health"), Route::PassThrough);
     }

@@ -1,13 +1,16 @@
-//! The indexer's answer (spec §7): one callout per request to `POST /v1/prefix/match` with the
-//! client's chat body, answered with the exact input length and every engine's matched prefix. Any
-//! failure (error, non-2xx, timeout, garbage, the concurrency cap) is *unavailable*: the caller
-//! falls back to the byte estimate and to load, counted apart from a confirmed miss.
+//! The indexer's answer (spec §7): one callout per request — `POST /v1/prefix/match` with the
+//! client's chat body (ours tokenizes it), or `POST /query` with a request's own token ids (ours,
+//! or Dynamo's standalone KV indexer with `api: dynamo`) — answered with every engine's matched
+//! prefix and, for a chat body, the exact input length. Any failure (error, non-2xx, timeout,
+//! garbage, the concurrency cap) is *unavailable*: the caller falls back to the byte estimate and
+//! to load, counted apart from a confirmed miss.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde_json::Value;
 
+use crate::config::IndexerApi;
 use crate::host::{CalloutRequest, Callouts};
 
 /// What one engine holds of the request's prompt, in tokens, with the part held in GPU memory.
@@ -42,16 +45,28 @@ pub type IndexerAnswer = Result<IndexerMatch, String>;
 /// indexer may hold concurrent queries sharing the prefix until it arrives (its "claims").
 pub const ROUTED_NOTICE_HEADER: &str = "x-sgl-routed-notice";
 
-/// `{"input_tokens": N, "data": {"<worker>": {"matched_tokens", "GPU", ...}}, "handle": "..."}`.
-pub fn parse_answer(status: Option<u16>, body: &[u8]) -> IndexerAnswer {
+fn answer_json(status: Option<u16>, body: &[u8]) -> Result<Value, String> {
     match status {
         Some(200..=299) => {}
         Some(s) => return Err(format!("the indexer answered {s}")),
         None => return Err("the indexer did not answer in time".to_string()),
     }
-    let v: Value = serde_json::from_slice(body).map_err(|e| format!("the indexer's answer is not JSON: {e}"))?;
-    let input_tokens =
-        v.get("input_tokens").and_then(Value::as_u64).ok_or("the indexer's answer has no input_tokens")?;
+    serde_json::from_slice(body).map_err(|e| format!("the indexer's answer is not JSON: {e}"))
+}
+
+/// `{"input_tokens": N, "data": {"<worker>": {"matched_tokens", "GPU", ...}}, "handle": "..."}`;
+/// `known_input` is the input length when the caller counted it (a token-id query).
+pub fn parse_answer(status: Option<u16>, body: &[u8]) -> IndexerAnswer {
+    parse_sgl(status, body, None)
+}
+
+fn parse_sgl(status: Option<u16>, body: &[u8], known_input: Option<u64>) -> IndexerAnswer {
+    let v = answer_json(status, body)?;
+    let input_tokens = v
+        .get("input_tokens")
+        .and_then(Value::as_u64)
+        .or(known_input)
+        .ok_or("the indexer's answer has no input_tokens")?;
     let data = v.get("data").and_then(Value::as_object).ok_or("the indexer's answer has no data")?;
     let mut hits: Vec<PrefixHit> = data
         .iter()
@@ -65,14 +80,35 @@ pub fn parse_answer(status: Option<u16>, body: &[u8]) -> IndexerAnswer {
         })
         .filter(|h| h.matched_tokens > 0)
         .collect();
-    hits.sort_by(|a, b| b.effective_tokens().cmp(&a.effective_tokens()).then_with(|| a.worker.cmp(&b.worker)));
+    rank(&mut hits);
     let handle = v.get("handle").and_then(Value::as_str).map(str::to_string);
     Ok(IndexerMatch { input_tokens, hits, handle })
+}
+
+fn rank(hits: &mut [PrefixHit]) {
+    hits.sort_by(|a, b| b.effective_tokens().cmp(&a.effective_tokens()).then_with(|| a.worker.cmp(&b.worker)));
+}
+
+/// Dynamo's standalone indexer: `{"scores": {"<worker id>": {"<dp rank>": tokens}}}`; a worker's
+/// match is its best rank's. It knows no storage tiers, so every token counts as GPU-held.
+fn parse_dynamo(status: Option<u16>, body: &[u8], input_tokens: u64) -> IndexerAnswer {
+    let v = answer_json(status, body)?;
+    let scores = v.get("scores").and_then(Value::as_object).ok_or("the indexer's answer has no scores")?;
+    let mut hits: Vec<PrefixHit> = scores
+        .iter()
+        .filter_map(|(worker, ranks)| {
+            let best = ranks.as_object()?.values().filter_map(Value::as_u64).max()?.min(input_tokens);
+            (best > 0).then(|| PrefixHit { worker: worker.clone(), matched_tokens: best, gpu_tokens: best })
+        })
+        .collect();
+    rank(&mut hits);
+    Ok(IndexerMatch { input_tokens, hits, handle: None })
 }
 
 /// Where the indexer is, and the per-VM cap on callouts in flight.
 #[derive(Debug)]
 pub struct IndexerClient {
+    api: IndexerApi,
     callouts: Arc<dyn Callouts>,
     cluster: String,
     authority: String,
@@ -99,28 +135,60 @@ impl IndexerClient {
         timeout_ms: u64,
         max_in_flight: u64,
         token: Option<(String, String)>,
+        api: IndexerApi,
     ) -> Self {
-        Self { callouts, cluster, authority, timeout_ms, max_in_flight, in_flight: Arc::default(), token }
+        Self { api, callouts, cluster, authority, timeout_ms, max_in_flight, in_flight: Arc::default(), token }
+    }
+
+    /// Whether this indexer tokenizes chat bodies itself (ours does; Dynamo's takes token ids only).
+    pub fn tokenizes_chat(&self) -> bool {
+        self.api == IndexerApi::Sgl
     }
 
     /// Starts the match callout for a chat body. The future never waits past the callout's
     /// timeout; past the cap it is unavailable at once.
     pub fn match_chat(&self, body: &[u8]) -> crate::host::BoxFuture<'static, IndexerAnswer> {
+        self.call("/v1/prefix/match", true, body.to_vec(), parse_answer)
+    }
+
+    /// Starts the match callout for a request's exact token ids, in the configured API's shape.
+    pub fn match_tokens(&self, model: &str, token_ids: &[u32]) -> crate::host::BoxFuture<'static, IndexerAnswer> {
+        let input = token_ids.len() as u64;
+        match self.api {
+            IndexerApi::Sgl => {
+                let body = serde_json::json!({"model": model, "token_ids": token_ids}).to_string().into_bytes();
+                self.call("/query", true, body, move |status, body| parse_sgl(status, body, Some(input)))
+            }
+            IndexerApi::Dynamo => {
+                let body = serde_json::json!({"model_name": model, "token_ids": token_ids}).to_string().into_bytes();
+                self.call("/query", false, body, move |status, body| parse_dynamo(status, body, input))
+            }
+        }
+    }
+
+    fn call(
+        &self,
+        path: &str,
+        will_notify: bool,
+        body: Vec<u8>,
+        parse: impl FnOnce(Option<u16>, &[u8]) -> IndexerAnswer + Send + 'static,
+    ) -> crate::host::BoxFuture<'static, IndexerAnswer> {
         if self.in_flight.fetch_add(1, Ordering::Relaxed) >= self.max_in_flight {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             return Box::pin(std::future::ready(Err("the indexer's concurrency cap is reached".to_string())));
         }
         let slot = Slot(Arc::clone(&self.in_flight));
+        let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
+        if will_notify {
+            headers.push((ROUTED_NOTICE_HEADER.to_string(), "1".to_string()));
+        }
         let request = CalloutRequest {
             cluster: self.cluster.clone(),
             method: "POST".to_string(),
-            path: "/v1/prefix/match".to_string(),
+            path: path.to_string(),
             authority: self.authority.clone(),
-            headers: vec![
-                ("content-type".to_string(), "application/json".to_string()),
-                (ROUTED_NOTICE_HEADER.to_string(), "1".to_string()),
-            ],
-            body: Some(body.to_vec()),
+            headers,
+            body: Some(body),
             timeout_ms: self.timeout_ms,
         };
         // Dispatched on the first poll, inside the selection, so the filter sees the callout the
@@ -130,7 +198,7 @@ impl IndexerClient {
             let future = callouts.dispatch(request).map_err(|e| format!("the indexer callout was not sent: {e}"))?;
             let response = future.await;
             drop(slot);
-            parse_answer(response.status, &response.body)
+            parse(response.status, &response.body)
         })
     }
 
@@ -159,7 +227,34 @@ mod tests {
     use crate::testing::now;
 
     fn client(callouts: Arc<MemoryCallouts>, cap: u64) -> IndexerClient {
-        IndexerClient::new(callouts, "sgl_indexer".into(), "127.0.0.1:9100".into(), 50, cap, None)
+        IndexerClient::new(callouts, "sgl_indexer".into(), "127.0.0.1:9100".into(), 50, cap, None, IndexerApi::Sgl)
+    }
+
+    #[test]
+    fn dynamos_scores_are_read_per_worker_at_its_best_rank() {
+        let body = br#"{"scores": {"1": {"0": 32, "1": 160}, "2": {"0": 48}, "3": {"0": 0}}}"#;
+        let m = parse_dynamo(Some(200), body, 150).unwrap();
+        let hits: Vec<(&str, u64)> = m.hits.iter().map(|h| (h.worker.as_str(), h.matched_tokens)).collect();
+        assert_eq!(hits, [("1", 150), ("2", 48)], "capped at the input, zero dropped");
+        assert_eq!((m.input_tokens, m.handle), (150, None));
+        assert!(parse_dynamo(Some(200), br#"{"data": {}}"#, 10).is_err());
+        assert!(parse_dynamo(Some(503), b"", 10).is_err());
+    }
+
+    #[test]
+    fn a_token_id_query_goes_to_query_in_each_apis_shape() {
+        let callouts = Arc::new(MemoryCallouts::default());
+        for (api, field, notice) in [(IndexerApi::Sgl, "model", true), (IndexerApi::Dynamo, "model_name", false)] {
+            let client = IndexerClient::new(callouts.clone(), "c".into(), "h:1".into(), 50, 8, None, api);
+            let mut pending = client.match_tokens("m", &[1, 2, 3]);
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(pending.as_mut().poll(&mut cx).is_pending(), "sent on the first poll");
+            let sent = callouts.sent.lock().unwrap().last().cloned().unwrap().1;
+            assert_eq!(sent.path, "/query");
+            let body: Value = serde_json::from_slice(sent.body.as_deref().unwrap()).unwrap();
+            assert_eq!((body[field].as_str(), body["token_ids"].clone()), (Some("m"), serde_json::json!([1, 2, 3])));
+            assert_eq!(sent.headers.iter().any(|(k, _)| k == ROUTED_NOTICE_HEADER), notice);
+        }
     }
 
     #[test]

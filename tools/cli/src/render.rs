@@ -4,6 +4,7 @@ use serde_json::{json, Value};
 use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
 use sgl_envoy_router::registry::EngineAddress;
 use sgl_envoy_router::server::factory;
+use sgl_envoy_router::server::routes::chat::Endpoint;
 use sgl_envoy_router::server::{ErrorKind, RouteError};
 
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
@@ -37,25 +38,66 @@ pub fn render(config: &RouterConfig, options: &RenderOptions) -> Result<String, 
     Ok(format!("# Rendered by `sgl-envoy-router render`; edit the router configuration and render again.\n{yaml}"))
 }
 
-fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
-    // The plugin gets the configuration with every default spelled out.
+/// Only what an existing Envoy needs, each part under the key it merges into and a comment naming
+/// where it goes: the HTTP filter entry, the routes, the clusters, the bootstrap service with the
+/// same `vm_id`, and the stats labels.
+pub fn render_snippet(config: &RouterConfig, options: &RenderOptions) -> Result<String, serde_yaml_ng::Error> {
     let router_json = serde_json::to_string(config).unwrap_or_default();
+    let part = |key: &str, value: Value| serde_yaml_ng::to_string(&json!({ key: value }));
+    let mut out = String::from(
+        "# sgl-envoy-router for an existing Envoy (`render --snippet`): merge each part where its comment says.\n\
+         # The listener that carries these routes needs per_connection_buffer_limit_bytes >= 41943040 (bodies up to\n\
+         # 32 MiB are buffered by the filter), and its HttpConnectionManager no route timeout on them.\n\n\
+         # 1. Into that HttpConnectionManager's http_filters, before envoy.filters.http.router:\n",
+    );
+    out += &part("http_filters", json!([http_filter(&router_json, options)]))?;
+    out += "\n# 2. Into the virtual host that serves the model API, before any catch-all route:\n";
+    out += &part("routes", Value::Array(generation_routes(config)))?;
+    out += "\n# 3. Into static_resources.clusters (one per engine, and the indexer's when configured):\n";
+    out += &part("clusters", Value::Array(clusters(config)))?;
+    out += "\n# 4. Into the bootstrap's bootstrap_extensions: the service (polls load and health) on the filter's vm_id:\n";
+    out += &part("bootstrap_extensions", json!([bootstrap_extension(&router_json, options)]))?;
+    out += "\n# 5. Into the bootstrap's stats_config.stats_tags: Prometheus labels for the filter's stats:\n";
+    out += &part("stats_tags", stats_tags())?;
+    Ok(out)
+}
+
+fn bootstrap_extension(router_json: &str, options: &RenderOptions) -> Value {
     json!({
-        "admin": {
-            "address": socket("127.0.0.1", options.admin_port),
-        },
-        "bootstrap_extensions": [{
-            "name": "envoy.bootstrap.wasm",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
-                "singleton": true,
-                "config": plugin("sgl_router_service", &router_json, options, false),
-            }
-        }],
-        "stats_config": {
-            // Prometheus labels from the filter's metric names
-            // (wasmcustom.<metric>[.stage.<s>][.worker.<w>] and friends).
-            "stats_tags": [
+        "name": "envoy.bootstrap.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.wasm.v3.WasmService",
+            "singleton": true,
+            "config": plugin("sgl_router_service", router_json, options, false),
+        }
+    })
+}
+
+fn http_filter(router_json: &str, options: &RenderOptions) -> Value {
+    json!({
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": plugin("sgl_router", router_json, options, true),
+        }
+    })
+}
+
+/// Every generation endpoint goes to the engine the filter picks.
+fn generation_routes(config: &RouterConfig) -> Vec<Value> {
+    let mut route = match config.upstream.mode {
+        UpstreamMode::ClusterHeader => json!({"cluster_header": config.upstream.header_name()}),
+        UpstreamMode::OriginalDst => json!({"cluster": ORIGINAL_DST_CLUSTER}),
+    };
+    // 0s = no route timeout: generations can run for minutes (Envoy's default would cut at 15 s).
+    route["timeout"] = json!(duration(config.timeouts.request_ms));
+    Endpoint::ALL.iter().map(|e| json!({"match": {"path": e.path()}, "route": route.clone()})).collect()
+}
+
+/// Prometheus labels from the filter's metric names (wasmcustom.<metric>[.stage.<s>][.worker.<w>]
+/// and friends).
+fn stats_tags() -> Value {
+    json!([
                 {"tag_name": "stage", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.stage\\.([^.]+))"},
                 {"tag_name": "worker", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(\\.worker\\.([^.]+))$"},
                 {"tag_name": "bucket", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.bucket\\.([^.]+))$"},
@@ -64,8 +106,18 @@ fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
                 {"tag_name": "vm", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.vm\\.([^.]+))$"},
                 {"tag_name": "result", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.result\\.([^.]+))$"},
                 {"tag_name": "reason", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(\\.reason\\.([^.]+))$"},
-            ]
+    ])
+}
+
+fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
+    // The plugin gets the configuration with every default spelled out.
+    let router_json = serde_json::to_string(config).unwrap_or_default();
+    json!({
+        "admin": {
+            "address": socket("127.0.0.1", options.admin_port),
         },
+        "bootstrap_extensions": [bootstrap_extension(&router_json, options)],
+        "stats_config": {"stats_tags": stats_tags()},
         "static_resources": {
             "listeners": [listener(config, options, &router_json)],
             "clusters": clusters(config),
@@ -103,19 +155,13 @@ fn plugin(root_id: &str, router_json: &str, options: &RenderOptions, http_filter
 fn not_found_body() -> String {
     let error = RouteError::new(
         ErrorKind::NotFound,
-        "no route for this path; the router serves POST /v1/chat/completions and GET /v1/models",
+        "no route for this path; the router serves POST /v1/chat/completions, /v1/completions and /generate, GET /v1/models and /v1/models/{id}",
     );
     String::from_utf8_lossy(&error.body()).into_owned()
 }
 
 fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -> Value {
-    let chat_cluster = match config.upstream.mode {
-        UpstreamMode::ClusterHeader => json!({"cluster_header": config.upstream.header_name()}),
-        UpstreamMode::OriginalDst => json!({"cluster": ORIGINAL_DST_CLUSTER}),
-    };
-    let mut chat_route = chat_cluster;
-    // 0s = no route timeout: generations can run for minutes (Envoy's default would cut at 15 s).
-    chat_route["timeout"] = json!(duration(config.timeouts.request_ms));
+    let generation_routes = generation_routes(config);
     let json_content_type = json!([{
         "header": {"key": "content-type", "value": "application/json"},
         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
@@ -137,24 +183,17 @@ fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -
                         "virtual_hosts": [{
                             "name": "sgl",
                             "domains": ["*"],
-                            "routes": [
-                                {"match": {"path": "/v1/chat/completions"}, "route": chat_route},
+                            "routes": generation_routes.into_iter().chain([json!(
                                 {
                                     "match": {"prefix": "/"},
                                     "direct_response": {"status": 404, "body": {"inline_string": not_found_body()}},
                                     "response_headers_to_add": json_content_type,
-                                },
-                            ],
+                                }
+                            )]).collect::<Vec<_>>(),
                         }],
                     },
                     "http_filters": [
-                        {
-                            "name": "envoy.filters.http.wasm",
-                            "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                                "config": plugin("sgl_router", router_json, options, true),
-                            }
-                        },
+                        http_filter(router_json, options),
                         {
                             "name": "envoy.filters.http.router",
                             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},

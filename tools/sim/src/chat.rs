@@ -1,5 +1,6 @@
-//! `POST /v1/chat/completions`: OpenAI-shaped JSON or SSE, generated token by token at the
-//! configured delay, holding a running slot for the request's whole life.
+//! The generation endpoints: `POST /v1/chat/completions` and `/v1/completions` (OpenAI-shaped JSON
+//! or SSE) and SGLang's `POST /generate` (`text` or `input_ids`, `sampling_params`), generated token
+//! by token at the configured delay, holding a running slot for the request's whole life.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +27,73 @@ fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response
     let message = message.into();
     (status, Json(json!({"object": "error", "error": {"message": message, "type": kind, "code": status.as_u16()}, "message": message})))
         .into_response()
+}
+
+/// Which API a request came in on: it decides where the prompt and budget are and the answer's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completions,
+    Generate,
+}
+
+impl Api {
+    fn of(path: &str) -> Self {
+        match path {
+            "/v1/completions" => Api::Completions,
+            "/generate" => Api::Generate,
+            _ => Api::Chat,
+        }
+    }
+
+    /// `/generate` keeps its sampling fields in `sampling_params`.
+    fn params(self, body: &Value) -> &Value {
+        match self {
+            Api::Generate => body.get("sampling_params").unwrap_or(&Value::Null),
+            _ => body,
+        }
+    }
+
+    fn budget(self, body: &Value) -> Option<u64> {
+        let params = self.params(body);
+        match self {
+            Api::Generate => params.get("max_new_tokens").and_then(Value::as_u64),
+            _ => params
+                .get("max_completion_tokens")
+                .and_then(Value::as_u64)
+                .or_else(|| params.get("max_tokens").and_then(Value::as_u64)),
+        }
+    }
+
+    /// The prompt of a completions or generate body: its text, or its token ids.
+    fn raw_prompt(self, body: &Value) -> Option<&Value> {
+        match self {
+            Api::Chat => None,
+            Api::Completions => body.get("prompt"),
+            Api::Generate => body.get("text").or_else(|| body.get("input_ids")),
+        }
+    }
+}
+
+/// Token ids a body carries directly (a token-id prompt), each prompt of a batch in turn.
+fn carried_ids(prompt: &Value) -> Option<Vec<u64>> {
+    let items = prompt.as_array()?;
+    match items.first()? {
+        Value::Number(_) => items.iter().map(Value::as_u64).collect(),
+        Value::Array(_) => {
+            Some(items.iter().flat_map(|p| p.as_array().into_iter().flatten().filter_map(Value::as_u64)).collect())
+        }
+        _ => None,
+    }
+}
+
+/// The text of a string prompt or of a batch of them.
+fn raw_text(prompt: &Value) -> String {
+    match prompt {
+        Value::String(s) => s.clone(),
+        Value::Array(items) => items.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"),
+        _ => String::new(),
+    }
 }
 
 fn prompt_tokens(body: &Value) -> u64 {
@@ -60,6 +128,7 @@ pub async fn chat_completions(
         Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("invalid JSON body: {e}")),
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let api = Api::of(uri.path());
     let rooms = pd::rooms_of(&body);
     let authorized = engine.args.api_key.as_ref().is_none_or(|key| {
         headers.get("authorization").and_then(|v| v.to_str().ok()) == Some(format!("Bearer {key}").as_str())
@@ -79,7 +148,7 @@ pub async fn chat_completions(
             .collect(),
     });
     let response = if authorized {
-        serve(&engine, body, stream, rooms, received_ms).await
+        serve(&engine, api, body, stream, rooms, received_ms).await
     } else {
         error(StatusCode::UNAUTHORIZED, "UnauthorizedError", "missing or wrong API key")
     };
@@ -89,7 +158,14 @@ pub async fn chat_completions(
     response
 }
 
-async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>, received_ms: u64) -> Response {
+async fn serve(
+    engine: &Arc<Engine>,
+    api: Api,
+    body: Value,
+    stream: bool,
+    rooms: Vec<u64>,
+    received_ms: u64,
+) -> Response {
     let fault = engine.control().chat.clone();
     if let Some(r) = control::apply(fault, "chat").await {
         return r;
@@ -118,21 +194,35 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
     }
     // The prompt as this engine counts it: the model's tokenizer when it has one (as a real
     // engine), else the router's 4-byte estimate.
-    let (prompt_ids, prompt): (Vec<u64>, u64) = match engine.tokenizer.as_ref().map(|t| t.tokenize_chat(&body)) {
-        Some(Ok(ids)) => {
+    let raw = api.raw_prompt(&body);
+    let (prompt_ids, prompt): (Vec<u64>, u64) = match (raw, raw.and_then(carried_ids)) {
+        (_, Some(ids)) => {
             let n = ids.len() as u64;
-            (ids.into_iter().map(u64::from).collect(), n)
+            (ids, n)
         }
-        _ => (kv::tokenize(&prompt_text(&body)), prompt_tokens(&body)),
+        (Some(raw), None) => {
+            let text = raw_text(raw);
+            let n = (text.len() as u64).div_ceil(BYTES_PER_TOKEN);
+            (kv::tokenize(&text), n)
+        }
+        (None, None) => match engine.tokenizer.as_ref().map(|t| t.tokenize_chat(&body)) {
+            Some(Ok(ids)) => {
+                let n = ids.len() as u64;
+                (ids.into_iter().map(u64::from).collect(), n)
+            }
+            _ => (kv::tokenize(&prompt_text(&body)), prompt_tokens(&body)),
+        },
     };
     let Some(mut slot) = engine.admit(prompt).await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
-    let choices = body.get("n").and_then(Value::as_u64).unwrap_or(1).clamp(1, 128);
-    let budget = body
-        .get("max_completion_tokens")
-        .and_then(Value::as_u64)
-        .or_else(|| body.get("max_tokens").and_then(Value::as_u64));
+    // A batch (several prompts) is answered per prompt, each `n` times.
+    let prompts = raw.map_or(1, |r| match r {
+        Value::Array(items) if matches!(items.first(), Some(Value::String(_) | Value::Array(_))) => items.len() as u64,
+        _ => 1,
+    });
+    let choices = (api.params(&body).get("n").and_then(Value::as_u64).unwrap_or(1) * prompts).clamp(1, 128);
+    let budget = api.budget(&body);
 
     // Prefill: the uncached part of the prompt at the engine's throughput, one prefill at a
     // time; then the rooms are ready for their decode engines.
@@ -184,28 +274,61 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
         }
         drop(slot);
         let text = token_text(0, tokens);
-        let choices: Vec<Value> = (0..choices)
-            .map(|i| json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}))
-            .collect();
-        return Json(json!({
-            "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
-            "sim_engine": meta.engine, "choices": choices,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens * choices.len() as u64, "total_tokens": prompt + tokens * choices.len() as u64},
-        }))
-        .into_response();
+        let usage = usage(prompt, cached, tokens * choices);
+        let answer = match api {
+            Api::Chat => json!({
+                "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+                "sim_engine": meta.engine, "usage": usage,
+                "choices": (0..choices).map(|i| json!({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})).collect::<Vec<_>>(),
+            }),
+            Api::Completions => json!({
+                "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                "sim_engine": meta.engine, "usage": usage,
+                "choices": (0..choices).map(|i| json!({"index": i, "text": text, "logprobs": null, "finish_reason": finish_reason})).collect::<Vec<_>>(),
+            }),
+            Api::Generate => {
+                let one = |i: u64| generate_answer(&meta, &text, i, prompt, cached, tokens, Some(finish_reason));
+                if choices == 1 {
+                    one(0)
+                } else {
+                    Value::Array((0..choices).map(one).collect())
+                }
+            }
+        };
+        return Json(answer).into_response();
     }
 
     let engine_for_stream = Arc::clone(engine);
     let events = async_stream::stream! {
-        let chunk = |choice: u64, delta: Value, finish: Option<&str>| {
-            sse(&json!({
-                "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-                "sim_engine": meta.engine,
-                "choices": [{"index": choice, "delta": delta, "finish_reason": finish}],
-            }))
+        // The token `t` (or the end, `None`) of choice `c`, in the API's streaming shape.
+        let chunk = |c: u64, t: Option<u64>| -> Bytes {
+            let finish = if t.is_none() { Some(finish_reason) } else { None };
+            match api {
+                Api::Chat => sse(&json!({
+                    "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+                    "sim_engine": meta.engine,
+                    "choices": [{"index": c, "delta": t.map_or(json!({}), |t| json!({"content": token_text(t, t + 1)})), "finish_reason": finish}],
+                })),
+                Api::Completions => sse(&json!({
+                    "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                    "sim_engine": meta.engine,
+                    "choices": [{"index": c, "text": t.map_or(String::new(), |t| token_text(t, t + 1)), "logprobs": null, "finish_reason": finish}],
+                })),
+                // SGLang streams the text so far.
+                Api::Generate => {
+                    let upto = t.map_or(tokens, |t| t + 1);
+                    sse(&generate_answer(&meta, &token_text(0, upto), c, prompt, cached, upto, finish))
+                }
+            }
         };
-        for c in 0..choices {
-            yield Ok::<Bytes, Infallible>(chunk(c, json!({"role": "assistant", "content": ""}), None));
+        if api == Api::Chat {
+            for c in 0..choices {
+                yield Ok::<Bytes, Infallible>(sse(&json!({
+                    "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+                    "sim_engine": meta.engine,
+                    "choices": [{"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}],
+                })));
+            }
         }
         for t in 0..tokens {
             if t > 0 {
@@ -213,17 +336,19 @@ async fn serve(engine: &Arc<Engine>, body: Value, stream: bool, rooms: Vec<u64>,
                 slot.add_kv_token();
             }
             for c in 0..choices {
-                yield Ok(chunk(c, json!({"content": token_text(t, t + 1)}), None));
+                yield Ok::<Bytes, Infallible>(chunk(c, Some(t)));
             }
         }
-        for c in 0..choices {
-            yield Ok(chunk(c, json!({}), Some(finish_reason)));
+        if api != Api::Generate {
+            for c in 0..choices {
+                yield Ok(chunk(c, None));
+            }
         }
         if include_usage {
             yield Ok(sse(&json!({
                 "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
                 "sim_engine": meta.engine, "choices": [],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": tokens * choices, "total_tokens": prompt + tokens * choices},
+                "usage": usage(prompt, cached, tokens * choices),
             })));
         }
         yield Ok(Bytes::from_static(b"data: [DONE]\n\n"));
@@ -270,6 +395,35 @@ fn prompt_text(body: &Value) -> String {
         out.push('\n');
     }
     out
+}
+
+/// OpenAI's usage, with the prompt tokens served from the prefix cache as SGLang reports them.
+fn usage(prompt: u64, cached: u64, completion: u64) -> Value {
+    json!({
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached.min(prompt)},
+    })
+}
+
+/// SGLang's `/generate` answer for one sequence.
+fn generate_answer(
+    meta: &Meta,
+    text: &str,
+    index: u64,
+    prompt: u64,
+    cached: u64,
+    completion: u64,
+    finish: Option<&str>,
+) -> Value {
+    json!({
+        "text": text,
+        "index": index,
+        "sim_engine": meta.engine,
+        "meta_info": {
+            "id": meta.id, "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+            "finish_reason": finish.map(|f| json!({"type": f})),
+        },
+    })
 }
 
 struct Meta {

@@ -55,6 +55,7 @@ async fn main() -> std::io::Result<()> {
 
     let app = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(chat::chat_completions))
         .route("/generate", post(chat::chat_completions))
         .route("/v1/loads", get(loads::v1_loads))
         .route("/get_load", get(loads::get_load))

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::bucket_loop::{Selection, SelectionFailure};
 use super::pd::{bootstrap_body, PdDispatch};
-use super::ChatFacts;
+use super::{ChatFacts, Endpoint};
 use crate::buckets::BucketPick;
 use crate::host::CalloutRequest;
 use crate::policies::cache_aware::PrefixMemo;
@@ -87,6 +87,7 @@ pub struct ChatOutcome {
 /// A selection in progress. Local policies finish on the first poll; a pending one is polled
 /// again when the callout it waits for answers.
 pub struct PendingChat {
+    pub endpoint: Endpoint,
     pub facts: ChatFacts,
     pub(crate) prompt_text: Option<Arc<str>>,
     pub(crate) body: Option<Map<String, Value>>,
@@ -132,6 +133,7 @@ impl PendingChat {
                 let (body, rooms) = bootstrap_body(body, &prefill.worker, self.facts.n, self.random.as_ref());
                 let pd = PdDispatch {
                     prefill: Arc::clone(&prefill.worker),
+                    path: self.endpoint.path(),
                     body,
                     rooms,
                     prefill_timeout_ms: self.prefill_timeout_ms,

@@ -159,7 +159,7 @@ mod tests {
             bucket_id: "b".into(),
             target: Target::Pd { prefill: Arc::clone(&p), decode: d },
             upstream_header: ("x-sgl-cluster".into(), "sgl_D".into()),
-            pd: Some(PdDispatch { prefill: p, body: vec![], rooms: vec![1], prefill_timeout_ms: 1 }),
+            pd: Some(PdDispatch { prefill: p, path: "/generate", body: vec![], rooms: vec![1], prefill_timeout_ms: 1 }),
             prefix_event: Some(event("P")),
             notices: vec![],
             prefill_tokens: 0,

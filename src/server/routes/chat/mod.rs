@@ -3,12 +3,14 @@
 
 pub mod bucket_loop;
 pub mod decision;
+pub mod endpoint;
 pub mod exchange;
 pub mod pd;
 mod prepare;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
 pub use decision::{ChatOutcome, Decision, PendingChat, Target};
+pub use endpoint::{prepare_endpoint, token_id_text, Endpoint, Prepared, Prompts};
 pub use exchange::{ChatExchange, Effects};
 pub use prepare::{prepare, prepare_with_body, prompt_text, ChatFacts, MAX_PROMPT_BYTES};
 

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::CHAT_PATH;
 use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
 use crate::registry::{Worker, DEFAULT_BOOTSTRAP_PORT};
@@ -18,6 +17,8 @@ use crate::server::{ErrorKind, RouteError};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PdDispatch {
     pub prefill: Arc<Worker>,
+    /// The endpoint's path: the prefill engine gets the same request as the decode engine.
+    pub path: &'static str,
     /// The body for both the prefill callout and the decode upstream request.
     pub body: Vec<u8>,
     pub rooms: Vec<u64>,
@@ -74,7 +75,7 @@ impl PdDispatch {
         CalloutRequest {
             cluster: self.prefill.cluster.clone(),
             method: "POST".to_string(),
-            path: CHAT_PATH.to_string(),
+            path: self.path.to_string(),
             authority: self.prefill.address.host_port(),
             headers,
             body: Some(self.body.clone()),
@@ -208,6 +209,7 @@ pub fn bootstrap_body(
 
 #[cfg(test)]
 mod tests {
+    use super::super::CHAT_PATH;
     use super::*;
     use crate::policies::SeededRandom;
     use crate::registry::Role;
@@ -287,7 +289,7 @@ mod tests {
     #[test]
     fn the_prefill_request_carries_the_decode_body_to_the_prefill_cluster() {
         let p = worker_with("P1", Role::Prefill, "m");
-        let d = PdDispatch { prefill: p, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
+        let d = PdDispatch { prefill: p, path: CHAT_PATH, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
         let r = d.prefill_request(vec![("authorization".into(), "Bearer k".into())]);
         assert_eq!(
             r.headers,

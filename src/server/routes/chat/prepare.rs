@@ -131,7 +131,7 @@ fn message_text_bytes(message: &Value) -> u64 {
 
 /// An integer field; `null` counts as absent. Integral floats (`16.0`) are accepted as SGLang's
 /// pydantic models do.
-fn optional_integer(obj: &Map<String, Value>, field: &str) -> Result<Option<i128>, RouteError> {
+pub(super) fn optional_integer(obj: &Map<String, Value>, field: &str) -> Result<Option<i128>, RouteError> {
     match obj.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => {
@@ -159,7 +159,7 @@ fn optional_number(obj: &Map<String, Value>, field: &str) -> Result<Option<f64>,
 }
 
 /// SGLang's sampling-parameter ranges.
-fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteError> {
+pub(super) fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteError> {
     let check = |field: &str, ok: fn(f64) -> bool, range: &str| -> Result<(), RouteError> {
         match optional_number(obj, field)? {
             Some(v) if !ok(v) => Err(RouteError::invalid(format!("`{field}` must be {range}, got {v}"))),
