@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
 VENV = ROOT / ".venv"
-ENVOY = VENV / "bin" / "envoy"
+# $ENVOY, else func-e's Envoy when func-e is on PATH, else the pinned wheel's (scripts/envoy).
+ENVOY = ROOT / "scripts" / "envoy"
 PY = VENV / "bin" / "python"
 SGLANG_ROUTER = "sglang-router==0.3.2"
 RUN = Path(tempfile.mkdtemp(prefix=f"sgl-{Path(sys.argv[0]).name}-"))

@@ -177,3 +177,38 @@ print(json.dumps({"model": model.id, "listed": listed, "completion": completion.
     assert_eq!(v["chat"], "tok0 tok1 ");
     assert_eq!(v["missing"], "NotFoundError");
 }
+
+#[test]
+fn every_metric_the_grafana_dashboard_reads_is_one_envoy_exports() {
+    let d = two_buckets("dashboard_metrics");
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let body = json!({"model": "demo-model", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+        assert_eq!(post(&d, path, &body).status, 200);
+    }
+    let exported = d.envoy.admin("/stats/prometheus");
+    let dashboard = std::fs::read_to_string(repo_root().join("deploy/grafana/sgl-envoy-router.json")).unwrap();
+    let dashboard: Value = serde_json::from_str(&dashboard).unwrap();
+    let mut names: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
+        .flat_map(|expr| {
+            expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("sgl_router_"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 10, "{names:?}");
+    // Counted only when their event happens (a rejection, an indexer answer).
+    let on_events = ["sgl_router_admission_rejections_total", "sgl_router_prefix_lookups_total"];
+    for name in names.iter().filter(|n| !on_events.contains(&n.as_str())) {
+        assert!(
+            exported.lines().any(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} "))),
+            "{name} is not exported"
+        );
+    }
+}

@@ -61,10 +61,14 @@ pub fn wasm_module() -> PathBuf {
     require(target_dir().join("wasm32-wasip1/release/sgl_envoy_router.wasm"), "the wasm module")
 }
 
+/// `scripts/envoy`: `$ENVOY`, else func-e's Envoy when func-e is on PATH, else the pinned wheel's.
 pub fn envoy_bin() -> PathBuf {
     match std::env::var_os("ENVOY_BIN") {
         Some(p) => PathBuf::from(p),
-        None => require(repo_root().join(".venv/bin/envoy"), "Envoy (scripts/setup installs it)"),
+        None => {
+            require(repo_root().join(".venv/bin/envoy"), "Envoy (scripts/setup installs it)");
+            repo_root().join("scripts/envoy")
+        }
     }
 }
 
