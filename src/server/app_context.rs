@@ -34,6 +34,8 @@ pub struct AppContext {
     headers: ProtectedHeaders,
     /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
     indexer: Option<Arc<IndexerClient>>,
+    /// The model `/generate` serves (`serve_generate`; validation allows one at most).
+    generate_model: Option<String>,
 }
 
 impl AppContext {
@@ -51,7 +53,9 @@ impl AppContext {
         let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
         let indexer = factory::indexer_client(&config, Arc::clone(&handles.callouts)).map(Arc::new);
+        let generate_model = config.models.iter().find(|(_, m)| m.serve_generate).map(|(name, _)| name.clone());
         Self {
+            generate_model,
             indexer,
             headers: ProtectedHeaders::new(&config, upstream.name()),
             config: Arc::new(config),
@@ -130,9 +134,8 @@ impl AppContext {
         header: &dyn Fn(&str) -> Option<String>,
     ) -> Result<PendingChat, RouteError> {
         let bytes_per_token = self.config.tokens.bytes_per_token;
-        let generate_model = self.config.models.iter().find(|(_, m)| m.serve_generate).map(|(name, _)| name.as_str());
         let Prepared { facts, body: parsed, prompts } =
-            chat::prepare_endpoint(endpoint, body, bytes_per_token, generate_model)?;
+            chat::prepare_endpoint(endpoint, body, bytes_per_token, self.generate_model.as_deref())?;
         let (Some(model), Some(resolver)) = (self.config.models.get(&facts.model), self.resolvers.get(&facts.model))
         else {
             return Err(RouteError::new(

@@ -8,7 +8,7 @@
 
 use serde_json::{Map, Value};
 
-use super::prepare::{optional_integer, prepare_with_body, validate_sampling, ChatFacts};
+use super::prepare::{optional_integer, prepare_with_body, required_model, stream_flag, validate_sampling, ChatFacts};
 use crate::server::{ErrorKind, RouteError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,19 +97,11 @@ pub fn prepare_endpoint(
     let Value::Object(obj) = value else {
         return Err(RouteError::invalid("request body must be a JSON object"));
     };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(RouteError::invalid("`stream` must be a boolean")),
-    };
+    let stream = stream_flag(&obj)?;
     let no_params = Map::new();
     let (model, prompts, sampling) = match endpoint {
         Endpoint::Completions => {
-            let model = match obj.get("model") {
-                Some(Value::String(m)) if !m.is_empty() => m.clone(),
-                Some(_) => return Err(RouteError::invalid("`model` must be a non-empty string")),
-                None => return Err(RouteError::invalid("`model` is required")),
-            };
+            let model = required_model(&obj)?;
             let prompts = match obj.get("prompt") {
                 Some(p) => prompts_of(p, "prompt")?,
                 None => return Err(RouteError::invalid("`prompt` is required")),

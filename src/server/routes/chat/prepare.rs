@@ -31,21 +31,13 @@ pub fn prepare_with_body(body: &[u8], bytes_per_token: u64) -> Result<(ChatFacts
     let Value::Object(obj) = value else {
         return Err(RouteError::invalid("request body must be a JSON object"));
     };
-    let model = match obj.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(_) => return Err(RouteError::invalid("`model` must be a non-empty string")),
-        None => return Err(RouteError::invalid("`model` is required")),
-    };
+    let model = required_model(&obj)?;
     let messages = match obj.get("messages") {
         Some(Value::Array(m)) => m,
         Some(_) => return Err(RouteError::invalid("`messages` must be an array")),
         None => return Err(RouteError::invalid("`messages` is required")),
     };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(RouteError::invalid("`stream` must be a boolean")),
-    };
+    let stream = stream_flag(&obj)?;
     validate_sampling(&obj)?;
     let n = optional_integer(&obj, "n")?.unwrap_or(1);
     if n < 1 {
@@ -126,6 +118,24 @@ fn message_text_bytes(message: &Value) -> u64 {
             .map(|t| t.len() as u64)
             .fold(0, u64::saturating_add),
         _ => 0,
+    }
+}
+
+/// The OpenAI bodies' `model`: required, a non-empty string.
+pub(super) fn required_model(obj: &Map<String, Value>) -> Result<String, RouteError> {
+    match obj.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => Ok(m.clone()),
+        Some(_) => Err(RouteError::invalid("`model` must be a non-empty string")),
+        None => Err(RouteError::invalid("`model` is required")),
+    }
+}
+
+/// `stream`: a boolean; absent or `null` is false.
+pub(super) fn stream_flag(obj: &Map<String, Value>) -> Result<bool, RouteError> {
+    match obj.get("stream") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(RouteError::invalid("`stream` must be a boolean")),
     }
 }
 
