@@ -107,7 +107,7 @@ def sims(n, base_args):
     return ports, procs
 
 
-def envoy_with_filter(name, cfg, wasm=None):
+def envoy_with_filter(name, cfg, wasm=None, concurrency=2):
     """Envoy with the filter on `cfg`; `wasm` another build of the module (the default: this tree's)."""
     port, admin = free_port(), free_port()
     path = RUN / f"{name}.router.json"
@@ -115,7 +115,7 @@ def envoy_with_filter(name, cfg, wasm=None):
     yaml = subprocess.run([bin_("sgl-envoy-router"), "render", str(path), "--wasm", str(wasm or TARGET / "wasm32-wasip1/release/sgl_envoy_router.wasm"),
                            "--listen", f"127.0.0.1:{port}", "--admin", str(admin)], capture_output=True, text=True, check=True).stdout
     (RUN / f"{name}.envoy.yaml").write_text(yaml)
-    p = start(name, [str(ENVOY), "-c", str(RUN / f"{name}.envoy.yaml"), "--concurrency", "2", "--disable-hot-restart", "-l", "warning"])
+    p = start(name, [str(ENVOY), "-c", str(RUN / f"{name}.envoy.yaml"), "--concurrency", str(concurrency), "--disable-hot-restart", "-l", "warning"])
     wait_http(f"http://127.0.0.1:{admin}/ready")
     time.sleep(1.5)  # the service's first load and health data
     p.admin_port = admin

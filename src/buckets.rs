@@ -231,6 +231,7 @@ fn order(a: &Bucket, b: &Bucket) -> Ordering {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::collections::HashSet;
     use std::sync::{Arc, Mutex};
 

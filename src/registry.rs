@@ -162,6 +162,7 @@ impl LiveWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn parses_host_and_port() {

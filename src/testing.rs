@@ -154,3 +154,10 @@ pub fn router_config_with_models(models: &[&str]) -> crate::config::RouterConfig
     let json = serde_json::json!({"workers": workers, "models": models}).to_string();
     crate::config::parse_and_validate(&json).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// The `#[test]` every test module uses: the standard harness's, except on
+/// `wasm32-unknown-unknown`, where `wasm-bindgen-test` registers the same functions for its runner.
+#[cfg(not(all(target_arch = "wasm32", target_os = "unknown")))]
+pub use core::prelude::v1::test;
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+pub use wasm_bindgen_test::wasm_bindgen_test as test;

@@ -71,6 +71,7 @@ fn deserialize_with_path<T: DeserializeOwned>(value: serde_json::Value) -> Resul
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use serde_json::{json, Value};
 
     use super::*;

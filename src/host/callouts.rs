@@ -116,6 +116,7 @@ impl Callouts for MemoryCallouts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     fn poll<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
         Pin::new(f).poll(&mut Context::from_waker(std::task::Waker::noop()))

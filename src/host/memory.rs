@@ -96,6 +96,7 @@ impl Host for MemoryHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn stale_cas_is_refused() {

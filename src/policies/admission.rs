@@ -168,6 +168,7 @@ impl AdmissionGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
     use crate::testing::worker;
 
     fn check(limits: AdmissionLimits, m: EngineMetrics) -> Admission {

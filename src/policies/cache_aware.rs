@@ -450,6 +450,7 @@ impl Policy for CacheAwarePolicy {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;

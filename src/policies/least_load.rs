@@ -72,6 +72,7 @@ mod tests {
     use crate::policies::{Limit, Rejection};
     use crate::registry::Role;
     use crate::state::load_monitor::{InflightTable, PrefillWork};
+    use crate::testing::test;
     use crate::testing::*;
 
     fn pick(s: &State, limits: AdmissionLimits, ids: &[&str]) -> Result<Pick, PickError> {

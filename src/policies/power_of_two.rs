@@ -96,6 +96,7 @@ impl Policy for PowerOfTwoPolicy {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::collections::HashSet;
     use std::sync::Mutex;
 

@@ -87,6 +87,7 @@ pub fn compare_for_stage(stage: Role, a: &EngineLoad, b: &EngineLoad) -> Orderin
 mod tests {
     use super::*;
     use crate::testing::native_load;
+    use crate::testing::test;
 
     #[test]
     fn the_wait_counts_requests_beyond_the_slots_and_the_prefill_ahead() {

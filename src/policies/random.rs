@@ -30,6 +30,7 @@ impl Policy for RandomPolicy {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::collections::HashMap;
 
     use super::*;

@@ -82,6 +82,7 @@ mod tests {
     use crate::host::MemoryHost;
     use crate::policies::{Limit, Rejection};
     use crate::registry::Role;
+    use crate::testing::test;
     use crate::testing::*;
 
     #[test]

@@ -40,6 +40,7 @@ mod tests {
     use crate::registry::Role;
     use crate::registry::Worker;
     use crate::state::affinity_store::{Bound, Scope};
+    use crate::testing::test;
     use crate::testing::*;
 
     struct Fixture {

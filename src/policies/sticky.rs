@@ -30,6 +30,7 @@ mod tests {
     use crate::host::{Host, MemoryHost};
     use crate::policies::{MemoryCursor, PickReason, PickRequest, RoundRobinPolicy};
     use crate::registry::Role;
+    use crate::testing::test;
     use crate::testing::*;
 
     fn sticky(state: &State, store: &Arc<AffinityStore>, limits: AdmissionLimits) -> StickyPolicy {

@@ -96,6 +96,7 @@ pub fn payload_too_large(size: usize) -> RouteError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn body_is_openai_shaped() {

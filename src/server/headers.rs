@@ -47,6 +47,7 @@ impl ProtectedHeaders {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn a_custom_upstream_header_is_stripped_too_and_key_headers_are_listed_once() {

@@ -79,6 +79,7 @@ pub fn failed(failure: &SelectionFailure) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn labels_cannot_break_the_dotted_name() {

@@ -290,6 +290,7 @@ mod tests {
     use crate::host::MemoryHost;
     use crate::state::health::HealthTable;
     use crate::state::load_monitor::{LoadView, SharedLoadView};
+    use crate::testing::test;
 
     fn config(extra: &str) -> RouterConfig {
         crate::config::parse_and_validate(&format!(

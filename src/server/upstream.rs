@@ -69,6 +69,7 @@ impl UpstreamAnswer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn answers_are_classified_once_for_every_caller() {

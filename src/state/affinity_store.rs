@@ -260,6 +260,7 @@ impl AffinityStore {
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
+    use crate::testing::test;
 
     fn scope(key: &str) -> Scope<'_> {
         Scope { kind: BindingKind::Session, model: "m", bucket: "b", stage: Role::Plain, key }

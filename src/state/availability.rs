@@ -88,6 +88,7 @@ mod tests {
     use crate::host::MemoryHost;
     use crate::state::breaker::BreakerSettings;
     use crate::state::shared;
+    use crate::testing::test;
 
     #[test]
     fn unhealthy_and_open_breakers_are_both_unavailable() {

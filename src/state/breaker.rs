@@ -142,6 +142,7 @@ impl CircuitBreakers {
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
+    use crate::testing::test;
 
     fn breakers() -> (Arc<MemoryHost>, CircuitBreakers) {
         let host = Arc::new(MemoryHost::default());

@@ -96,6 +96,7 @@ impl HealthMonitor {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::sync::Arc;
 
     use super::*;

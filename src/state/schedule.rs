@@ -42,6 +42,7 @@ impl PollSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn polls_follow_the_interval_and_skip_outstanding_ones() {

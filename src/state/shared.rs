@@ -133,6 +133,7 @@ pub fn fetch_add(host: &dyn Host, key: &str, delta: u64) -> Result<u64, HostErro
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
+    use crate::testing::test;
 
     #[test]
     fn reader_sees_publications_and_skips_unchanged_versions() {

@@ -59,6 +59,7 @@ pub fn alive(host: &dyn Host) -> Result<Vec<u64>, HostError> {
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
+    use crate::testing::test;
 
     #[test]
     fn silent_vms_are_swept_and_live_ones_kept() {

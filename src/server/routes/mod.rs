@@ -50,6 +50,7 @@ pub fn method_not_allowed(method: &str, path: &str, allow: &str) -> RouteError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn routes_by_method_and_path_ignoring_the_query() {

@@ -56,6 +56,7 @@ fn percent_decode(s: &str) -> String {
 mod tests {
     use super::*;
     use crate::testing::router_config_with_models;
+    use crate::testing::test;
 
     #[test]
     fn a_configured_model_is_retrieved_and_an_unknown_one_is_a_404() {

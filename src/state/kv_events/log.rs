@@ -182,6 +182,7 @@ mod tests {
     use super::*;
     use crate::host::MemoryHost;
     use crate::state::kv_events::Tier;
+    use crate::testing::test;
 
     fn budgets() -> Budgets {
         Budgets([("m".to_string(), 4096u64)].into_iter().collect())

@@ -307,6 +307,7 @@ impl RadixTree {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     fn matched(t: &RadixTree, text: &str) -> Vec<(String, u64)> {
         t.match_prefix(text.as_bytes()).into_iter().map(|m| (m.worker, m.matched_bytes)).collect()

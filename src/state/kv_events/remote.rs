@@ -225,6 +225,7 @@ mod tests {
     use super::*;
     use crate::host::{CalloutResponse, MemoryCallouts};
     use crate::testing::now;
+    use crate::testing::test;
 
     fn client(callouts: Arc<MemoryCallouts>, cap: u64) -> IndexerClient {
         IndexerClient::new(callouts, "sgl_indexer".into(), "127.0.0.1:9100".into(), 50, cap, None, IndexerApi::Sgl)

@@ -187,6 +187,7 @@ impl InflightTable for MemoryInflight {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn guards_release_on_drop_and_never_go_below_zero() {
@@ -447,6 +448,7 @@ impl InflightTable for SharedInflight {
 mod shared_tests {
     use super::*;
     use crate::host::MemoryHost;
+    use crate::testing::test;
 
     #[test]
     fn shared_counts_are_seen_by_every_vm_and_never_go_below_zero() {

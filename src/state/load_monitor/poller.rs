@@ -107,6 +107,7 @@ impl LoadPoller {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
     use crate::testing::worker;
 
     fn poller(endpoint: Option<ReportEndpoint>) -> LoadPoller {

@@ -151,6 +151,7 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn v1_loads_keeps_every_field_and_leaves_missing_ones_unknown() {

@@ -71,6 +71,7 @@ mod tests {
     use crate::host::MemoryHost;
     use crate::state::load_monitor::{RankReport, ReportKind};
     use crate::state::shared::publish;
+    use crate::testing::test;
 
     #[test]
     fn reads_the_published_table_and_lets_reports_go_stale() {

@@ -212,6 +212,7 @@ impl LoadView for StaticLoad {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     fn native(rank: u32, running: u64, waiting: u64) -> RankReport {
         RankReport {

@@ -156,6 +156,7 @@ pub fn select(
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::sync::Arc;
 
     use proptest::prelude::*;

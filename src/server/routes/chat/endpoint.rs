@@ -187,6 +187,7 @@ pub fn token_id_text(ids: &[u32], bytes_per_token: u64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use serde_json::json;
 
     use super::*;

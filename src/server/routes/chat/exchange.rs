@@ -124,6 +124,7 @@ impl ChatExchange {
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use std::sync::Arc;
 
     use super::*;

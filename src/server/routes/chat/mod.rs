@@ -44,6 +44,7 @@ pub fn body_step(size: usize, end_of_stream: bool) -> BodyStep {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::test;
 
     #[test]
     fn the_body_is_buffered_until_its_end_and_refused_above_the_limit() {

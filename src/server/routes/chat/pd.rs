@@ -213,6 +213,7 @@ mod tests {
     use super::*;
     use crate::policies::SeededRandom;
     use crate::registry::Role;
+    use crate::testing::test;
     use crate::testing::worker_with;
 
     fn parsed(v: Value) -> Map<String, Value> {

@@ -192,6 +192,7 @@ pub(super) fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteErr
 
 #[cfg(test)]
 mod tests {
+    use crate::testing::test;
     use serde_json::json;
 
     use super::*;
