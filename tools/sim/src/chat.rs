@@ -123,6 +123,7 @@ pub async fn chat_completions(
     body: Bytes,
 ) -> Response {
     let received_ms = Engine::now_unix_ms();
+    let body_bytes = body.len();
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("invalid JSON body: {e}")),
@@ -146,6 +147,7 @@ pub async fn chat_completions(
             .iter()
             .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
             .collect(),
+        body_bytes,
     });
     let response = if authorized {
         serve(&engine, api, body, stream, rooms, received_ms).await

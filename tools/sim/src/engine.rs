@@ -126,6 +126,8 @@ pub struct RequestRecord {
     pub finished_ms: Option<u64>,
     pub status: u16,
     pub headers: Vec<(String, String)>,
+    /// The request body's length as it arrived.
+    pub body_bytes: usize,
 }
 
 const RECENT_REQUESTS: usize = 256;

@@ -1,0 +1,251 @@
+//! Where one request's work goes (issue 13's profile). The filter's whole per-request path —
+//! prepare (parse the body, its facts), selection, dispatch accounting, the upstream's answer and
+//! the stream's end, as `proxy/filter.rs` drives them — over a `MemoryHost` behind a counting
+//! `Host`, with a counting allocator, the service publishing load and health beside it. Prints per
+//! request: time per phase, host calls by kind and by table, allocations per phase, and the
+//! counters the glue bumps, for each policy over 8 and 512 engines. Runs natively
+//! (`cargo bench --bench request`) and inside wasm under Node
+//! (`cargo bench --bench request --target wasm32-wasip1 --no-default-features`). Never asserted.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Instant;
+
+use sgl_envoy_router::config::parse_and_validate;
+use sgl_envoy_router::host::{Host, HostError, MemoryCallouts, MemoryHost, SharedValue};
+use sgl_envoy_router::server::factory::filter_handles;
+use sgl_envoy_router::server::routes::chat::{ChatExchange, Endpoint};
+use sgl_envoy_router::server::service::{PollKind, ServiceCore};
+use sgl_envoy_router::server::AppContext;
+
+/// Counts every allocation, so a phase's count is the difference across it.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        ALLOCATED_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        ALLOCATED_BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Host calls are counted by kind and by the table the key belongs to (the key without its
+/// per-worker or per-instance tail), without allocating.
+const TABLES: [&str; 9] =
+    ["sgl.inflight", "sgl.load", "sgl.health", "sgl.breakers", "sgl.rr", "sgl.affinity", "sgl.prefix", "sgl.vms", "other"];
+const KINDS: [&str; 5] = ["shared_get", "shared_set", "now_ms", "random_u64", "enqueue"];
+
+#[derive(Debug)]
+struct CountingHost {
+    inner: MemoryHost,
+    calls: [[AtomicU64; TABLES.len()]; KINDS.len()],
+}
+
+fn table(key: &str) -> usize {
+    TABLES.iter().position(|t| key.starts_with(t)).unwrap_or(TABLES.len() - 1)
+}
+
+impl CountingHost {
+    fn count(&self, kind: usize, key: &str) {
+        self.calls[kind][table(key)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn take(&self) -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        for (k, row) in self.calls.iter().enumerate() {
+            for (t, n) in row.iter().enumerate() {
+                let n = n.swap(0, Ordering::Relaxed);
+                if n > 0 {
+                    let name = if k >= 2 { KINDS[k].to_string() } else { format!("{} {}", KINDS[k], TABLES[t]) };
+                    out.push((name, n));
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Host for CountingHost {
+    fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError> {
+        self.count(0, key);
+        self.inner.shared_get(key)
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        self.count(1, key);
+        self.inner.shared_set(key, value, cas)
+    }
+    fn now_ms(&self) -> u64 {
+        self.count(2, "");
+        self.inner.now_ms()
+    }
+    fn random_u64(&self) -> u64 {
+        self.count(3, "");
+        self.inner.random_u64()
+    }
+    fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
+        self.count(4, name);
+        self.inner.enqueue(name, message)
+    }
+}
+
+fn router_config(engines: usize, policy: &str) -> String {
+    let workers: Vec<_> = (0..engines)
+        .map(|i| serde_json::json!({"id": format!("E{i:04}"), "url": format!("http://10.0.{}.{}:30000", i / 256, i % 256), "model": "m"}))
+        .collect();
+    serde_json::json!({
+        "workers": workers,
+        "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": policy}}}}]}},
+    })
+    .to_string()
+}
+
+/// The service's loads and health for every engine, published as in Envoy.
+fn publish_state(service: &mut ServiceCore, host: &CountingHost) {
+    let loads = br#"{"loads":[{"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":0,"num_used_tokens":1000,"max_total_num_tokens":100000,"max_running_requests":64}]}"#;
+    for _ in 0..3 {
+        let now = host.inner.now_ms();
+        for poll in service.tick(now).polls {
+            let body: &[u8] = match poll.kind {
+                PollKind::Load(_) => loads,
+                PollKind::Health(_) => b"",
+            };
+            service.on_poll_answer(poll.kind, Some(200), body, now);
+        }
+        host.inner.advance_ms(2_000);
+    }
+}
+
+#[derive(Default)]
+struct Phase {
+    ns: u128,
+    allocations: u64,
+    bytes: u64,
+}
+
+struct Meter {
+    started: Instant,
+    allocations: u64,
+    bytes: u64,
+}
+
+impl Meter {
+    fn start() -> Self {
+        Self {
+            allocations: ALLOCATIONS.load(Ordering::Relaxed),
+            bytes: ALLOCATED_BYTES.load(Ordering::Relaxed),
+            started: Instant::now(),
+        }
+    }
+    fn stop(self, phase: &mut Phase) {
+        phase.ns += self.started.elapsed().as_nanos();
+        phase.allocations += ALLOCATIONS.load(Ordering::Relaxed) - self.allocations;
+        phase.bytes += ALLOCATED_BYTES.load(Ordering::Relaxed) - self.bytes;
+    }
+}
+
+const PHASES: [&str; 5] = ["prepare (parse, facts)", "selection", "dispatch (accounting)", "answer (headers)", "end (release)"];
+
+fn run(engines: usize, policy: &str, requests: u32) {
+    let config = parse_and_validate(&router_config(engines, policy)).unwrap_or_else(|e| panic!("{e}"));
+    let host = Arc::new(CountingHost { inner: MemoryHost::new(7), calls: Default::default() });
+    let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
+    publish_state(&mut service, &host);
+    let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1, Arc::new(MemoryCallouts::default()));
+    let app = AppContext::new(config, handles);
+    // 4 KiB of conversation, as the overhead bench sends; the prompt varies per request.
+    let filler = "routing ".repeat(500);
+    let bodies: Vec<Vec<u8>> = (0..64)
+        .map(|i| {
+            serde_json::json!({"model": "m", "max_tokens": 1, "stream": false,
+                "messages": [{"role": "user", "content": format!("{i} {filler}")}]})
+            .to_string()
+            .into_bytes()
+        })
+        .collect();
+
+    let mut phases: Vec<Phase> = PHASES.iter().map(|_| Phase::default()).collect();
+    let mut counters = 0usize;
+    let mut one = |i: u32, phases: &mut [Phase], counters: &mut usize| {
+        let body = &bodies[i as usize % bodies.len()];
+        let meter = Meter::start();
+        let mut pending = app.begin(Endpoint::Chat, body, &|_| None).unwrap_or_else(|e| panic!("{e:?}"));
+        meter.stop(&mut phases[0]);
+        let meter = Meter::start();
+        let Poll::Ready(outcome) = pending.poll(|| false) else { panic!("a local selection is ready") };
+        let decision = outcome.result.unwrap_or_else(|e| panic!("{e:?}"));
+        meter.stop(&mut phases[1]);
+        *counters += outcome.counters.len();
+        let meter = Meter::start();
+        let upstream = Arc::clone(decision.target.upstream());
+        let prefill_tokens = decision.prefill_tokens;
+        let mut exchange = ChatExchange::new(decision);
+        let guard = app.on_dispatch(&upstream.id, prefill_tokens);
+        exchange.dispatched(&upstream.id);
+        meter.stop(&mut phases[2]);
+        let meter = Meter::start();
+        let headers = exchange.decision().response_headers(None);
+        let (_, effects) = exchange.on_upstream_headers(Some(200));
+        *counters += app.carry_out(effects).len();
+        meter.stop(&mut phases[3]);
+        let meter = Meter::start();
+        let effects = exchange.on_end();
+        *counters += app.carry_out(effects).len();
+        drop(guard);
+        drop(headers);
+        meter.stop(&mut phases[4]);
+    };
+    for i in 0..requests / 10 {
+        one(i, &mut phases, &mut counters);
+    }
+    let mut phases: Vec<Phase> = PHASES.iter().map(|_| Phase::default()).collect();
+    counters = 0;
+    host.take();
+    for i in 0..requests {
+        one(i, &mut phases, &mut counters);
+        // A request every 100 µs: the clock moves as it does under load.
+        if i % 10 == 0 {
+            host.inner.advance_ms(1);
+        }
+    }
+    let n = u128::from(requests);
+    let total: u128 = phases.iter().map(|p| p.ns).sum();
+    println!("\n{policy}, {engines} engines: {:.1} µs per request", total as f64 / n as f64 / 1000.0);
+    for (name, p) in PHASES.iter().zip(&phases) {
+        println!(
+            "  {name:<26} {:>8.2} µs {:>6.1} allocations {:>8.0} bytes",
+            p.ns as f64 / n as f64 / 1000.0,
+            p.allocations as f64 / n as f64,
+            p.bytes as f64 / n as f64
+        );
+    }
+    let calls = host.take();
+    let line: Vec<String> = calls.iter().map(|(name, c)| format!("{name} {:.1}", *c as f64 / n as f64)).collect();
+    println!("  host calls per request: {}", line.join(", "));
+    println!("  counters bumped per request: {:.1}", counters as f64 / n as f64);
+}
+
+fn main() {
+    let target = if cfg!(target_arch = "wasm32") { "wasm32-wasip1 (Node)" } else { "native" };
+    println!("one request through the core, {target}");
+    for engines in [8, 512] {
+        for policy in ["round_robin", "power_of_two", "cache_aware"] {
+            run(engines, policy, if engines > 64 { 2_000 } else { 20_000 });
+        }
+    }
+}
