@@ -7,6 +7,9 @@
 //! (`cargo bench --bench request`) and inside wasm under Node
 //! (`cargo bench --bench request --target wasm32-wasip1 --no-default-features`). Never asserted.
 
+// A benchmark stops at the first thing that is not what it measures.
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -47,8 +50,17 @@ static GLOBAL: Counting = Counting;
 
 /// Host calls are counted by kind and by the table the key belongs to (the key without its
 /// per-worker or per-instance tail), without allocating.
-const TABLES: [&str; 9] =
-    ["sgl.inflight", "sgl.load", "sgl.health", "sgl.breakers", "sgl.rr", "sgl.affinity", "sgl.prefix", "sgl.vms", "other"];
+const TABLES: [&str; 9] = [
+    "sgl.inflight",
+    "sgl.load",
+    "sgl.health",
+    "sgl.breakers",
+    "sgl.rr",
+    "sgl.affinity",
+    "sgl.prefix",
+    "sgl.vms",
+    "other",
+];
 const KINDS: [&str; 5] = ["shared_get", "shared_set", "now_ms", "random_u64", "enqueue"];
 
 #[derive(Debug)]
@@ -159,14 +171,16 @@ impl Meter {
     }
 }
 
-const PHASES: [&str; 5] = ["prepare (parse, facts)", "selection", "dispatch (accounting)", "answer (headers)", "end (release)"];
+const PHASES: [&str; 5] =
+    ["prepare (parse, facts)", "selection", "dispatch (accounting)", "answer (headers)", "end (release)"];
 
 fn run(engines: usize, policy: &str, requests: u32) {
     let config = parse_and_validate(&router_config(engines, policy)).unwrap_or_else(|e| panic!("{e}"));
     let host = Arc::new(CountingHost { inner: MemoryHost::new(7), calls: Default::default() });
     let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
     publish_state(&mut service, &host);
-    let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1, Arc::new(MemoryCallouts::default()));
+    let (handles, _) =
+        filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1, Arc::new(MemoryCallouts::default()));
     let app = AppContext::new(config, handles);
     // 4 KiB of conversation, as the overhead bench sends; the prompt varies per request.
     let filler = "routing ".repeat(500);
@@ -181,7 +195,7 @@ fn run(engines: usize, policy: &str, requests: u32) {
 
     let mut phases: Vec<Phase> = PHASES.iter().map(|_| Phase::default()).collect();
     let mut counters = 0usize;
-    let mut one = |i: u32, phases: &mut [Phase], counters: &mut usize| {
+    let one = |i: u32, phases: &mut [Phase], counters: &mut usize| {
         let body = &bodies[i as usize % bodies.len()];
         let meter = Meter::start();
         let mut pending = app.begin(Endpoint::Chat, body, &|_| None).unwrap_or_else(|e| panic!("{e:?}"));
@@ -243,8 +257,13 @@ fn run(engines: usize, policy: &str, requests: u32) {
 fn main() {
     let target = if cfg!(target_arch = "wasm32") { "wasm32-wasip1 (Node)" } else { "native" };
     println!("one request through the core, {target}");
+    // `-- <policy> <engines>` runs one of them (for a profiler).
+    let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     for engines in [8, 512] {
         for policy in ["round_robin", "power_of_two", "cache_aware"] {
+            if only.first().is_some_and(|p| p != policy) || only.get(1).is_some_and(|n| *n != engines.to_string()) {
+                continue;
+            }
             run(engines, policy, if engines > 64 { 2_000 } else { 20_000 });
         }
     }

@@ -82,6 +82,33 @@ def stop(procs):
             PROCS.remove(p)
 
 
+def descendants(pid):
+    """`pid` and every process under it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def cpu_seconds(proc):
+    """User + system CPU time of a started process and everything under it (the Envoy behind
+    scripts/envoy's wrappers), in seconds."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in descendants(proc.pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / ticks
+
+
 def wait_http(url, timeout=60, ok=(200,)):
     deadline = time.time() + timeout
     while time.time() < deadline:

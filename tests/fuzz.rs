@@ -15,7 +15,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, FileFailurePersistence};
 use serde_json::{json, Map, Value};
 use sgl_envoy_router::config;
-use sgl_envoy_router::server::routes::chat::prepare_with_body;
+use sgl_envoy_router::server::routes::chat::prepare_chat;
 use sgl_envoy_router::state::kv_events::{apply, PrefixEvent, RadixTree};
 use sgl_envoy_router::state::load_monitor::{parse_get_load, parse_prometheus, parse_v1_loads};
 
@@ -239,14 +239,15 @@ proptest! {
     #[test]
     #[ignore = "scripts/fuzz"]
     fn the_chat_body_parser_never_panics_and_its_facts_are_consistent(body in prop_oneof![chat_body(), bytes()]) {
-        if let Ok((facts, parsed)) = prepare_with_body(&body, 4) {
+        if let Ok((facts, prompt)) = prepare_chat(&body, 4, true) {
             prop_assert!(!facts.model.is_empty());
             prop_assert!(facts.n >= 1);
             if let Some(peak) = facts.expected_peak_tokens {
                 prop_assert!(peak >= facts.input_tokens);
                 prop_assert_eq!(Some(peak - facts.input_tokens), facts.output_budget);
             }
-            prop_assert!(parsed.contains_key("messages"));
+            // Every message contributes at least its "role: " and line end.
+            prop_assert!(prompt.is_some());
         }
     }
 
@@ -297,7 +298,7 @@ fn the_generators_reach_past_the_first_check() {
     let accepted = (0..500)
         .filter(|_| {
             let body = chat_body().new_tree(&mut runner).unwrap().current();
-            prepare_with_body(&body, 4).is_ok()
+            prepare_chat(&body, 4, false).is_ok()
         })
         .count();
     assert!(accepted > 50, "only {accepted} of 500 generated chat bodies parse");

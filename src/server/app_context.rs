@@ -8,11 +8,11 @@ use std::sync::Arc;
 use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use super::headers::ProtectedHeaders;
 use super::routes::chat::bucket_loop::IndexerLookup;
-use super::routes::chat::{self, Effects, Endpoint, PendingChat, Prepared, Prompts};
+use super::routes::chat::{self, Effects, Endpoint, PendingChat, Prepared};
 use super::upstream::UpstreamHeader;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
-use crate::config::RouterConfig;
+use crate::config::{GroupsConfig, RouterConfig};
 use crate::policies::pressure::prefill_rate;
 use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
@@ -31,6 +31,8 @@ pub struct AppContext {
     upstream: UpstreamHeader,
     /// Models with a cache-aware group: their prompts feed the prefix index.
     prefix_models: HashSet<String>,
+    /// Models with a PD bucket: their requests keep a copy of the body for the bootstrap rewrite.
+    pd_models: HashSet<String>,
     headers: ProtectedHeaders,
     /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
     indexer: Option<Arc<IndexerClient>>,
@@ -43,6 +45,12 @@ impl AppContext {
     pub fn new(config: RouterConfig, handles: StateHandles) -> Self {
         let resolvers = build_resolvers(&config, &handles);
         let prefix_models = prefix_budgets(&config).0.into_keys().collect();
+        let pd_models = config
+            .models
+            .iter()
+            .filter(|(_, m)| m.buckets.iter().any(|b| matches!(b.groups, GroupsConfig::Pd(_))))
+            .map(|(name, _)| name.clone())
+            .collect();
         let breakers = config
             .circuit_breaker
             .as_ref()
@@ -66,6 +74,7 @@ impl AppContext {
             breakers,
             upstream,
             prefix_models,
+            pd_models,
         }
     }
 
@@ -134,8 +143,15 @@ impl AppContext {
         header: &dyn Fn(&str) -> Option<String>,
     ) -> Result<PendingChat, RouteError> {
         let bytes_per_token = self.config.tokens.bytes_per_token;
-        let Prepared { facts, body: parsed, prompts } =
-            chat::prepare_endpoint(endpoint, body, bytes_per_token, self.generate_model.as_deref())?;
+        // The model is known only once the body is read: the text is built when any model records
+        // prompts, and kept for those that do.
+        let Prepared { facts, prompts, prompt_text } = chat::prepare_endpoint(
+            endpoint,
+            body,
+            bytes_per_token,
+            self.generate_model.as_deref(),
+            !self.prefix_models.is_empty(),
+        )?;
         let (Some(model), Some(resolver)) = (self.config.models.get(&facts.model), self.resolvers.get(&facts.model))
         else {
             return Err(RouteError::new(
@@ -144,15 +160,8 @@ impl AppContext {
             ));
         };
         let key = |name: &str| header(name).filter(|v| !v.is_empty());
-        let prompt_text: Option<Arc<str>> = self.prefix_models.contains(&facts.model).then(|| {
-            Arc::from(match &prompts {
-                Prompts::Messages => chat::prompt_text(&parsed),
-                Prompts::Texts(texts) => texts.join("\n"),
-                Prompts::TokenIds(ids) => {
-                    ids.iter().map(|p| chat::token_id_text(p, bytes_per_token)).collect::<Vec<_>>().join("\n")
-                }
-            })
-        });
+        let prompt_text: Option<Arc<str>> =
+            prompt_text.filter(|_| self.prefix_models.contains(&facts.model)).map(Arc::from);
         let request = BucketRequest {
             model: facts.model.clone(),
             input_tokens: facts.input_tokens,
@@ -178,11 +187,13 @@ impl AppContext {
             output_budget: facts.output_budget,
         });
         let memo = Arc::clone(&request.prefix_memo);
+        // Only a PD pick rewrites the body, from its own parse of it.
+        let body = self.pd_models.contains(&facts.model).then(|| body.to_vec());
         Ok(PendingChat {
             endpoint,
             facts,
             prompt_text,
-            body: Some(parsed),
+            body,
             memo,
             indexer: self.indexer.clone(),
             selection: chat::select(Arc::clone(resolver), self.registry.live(), request, indexer),

@@ -4,8 +4,6 @@
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use serde_json::{Map, Value};
-
 use super::bucket_loop::{Selection, SelectionFailure};
 use super::pd::{bootstrap_body, PdDispatch};
 use super::{ChatFacts, Endpoint};
@@ -90,7 +88,8 @@ pub struct PendingChat {
     pub endpoint: Endpoint,
     pub facts: ChatFacts,
     pub(crate) prompt_text: Option<Arc<str>>,
-    pub(crate) body: Option<Map<String, Value>>,
+    /// The body as it came, kept only where a PD pick may rewrite it.
+    pub(crate) body: Option<Vec<u8>>,
     pub(crate) selection: BoxFuture<'static, Result<Selection, SelectionFailure>>,
     pub(crate) upstream: UpstreamHeader,
     pub(crate) random: Arc<dyn RandomSource>,
@@ -129,7 +128,8 @@ impl PendingChat {
         let (target, pd) = match &selection.pick {
             BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
             BucketPick::Pd { prefill, decode } => {
-                let body = self.body.take().unwrap_or_default();
+                // Validated as a JSON object already; the rewrite is the one path that needs its tree.
+                let body = self.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default();
                 let (body, rooms) = bootstrap_body(body, &prefill.worker, self.facts.n, self.random.as_ref());
                 let pd = PdDispatch {
                     prefill: Arc::clone(&prefill.worker),

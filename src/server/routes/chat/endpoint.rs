@@ -8,7 +8,10 @@
 
 use serde_json::{Map, Value};
 
-use super::prepare::{optional_integer, prepare_with_body, required_model, stream_flag, validate_sampling, ChatFacts};
+use super::prepare::{
+    cut_to_prompt_limit, optional_integer, prepare_chat, read_object, required_model, stream_flag, validate_sampling,
+    ChatFacts,
+};
 use crate::server::{ErrorKind, RouteError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,6 +66,19 @@ impl Prompts {
         }
     }
 
+    /// The text the prefix index matches for text and token-id prompts, one line per prompt.
+    fn text(&self, bytes_per_token: u64) -> String {
+        let mut text = match self {
+            Prompts::Messages => String::new(),
+            Prompts::Texts(texts) => texts.join("\n"),
+            Prompts::TokenIds(ids) => {
+                ids.iter().map(|p| token_id_text(p, bytes_per_token)).collect::<Vec<_>>().join("\n")
+            }
+        };
+        cut_to_prompt_limit(&mut text);
+        text
+    }
+
     /// Input tokens of the longest prompt: token ids counted, text estimated.
     fn longest_tokens(&self, bytes_per_token: u64) -> u64 {
         match self {
@@ -73,35 +89,34 @@ impl Prompts {
     }
 }
 
-/// A prepared request: its routing facts, its parsed body (a PD dispatch rewrites it) and prompts.
+/// A prepared request: its routing facts, its prompts, and the text the prefix index matches when
+/// it was asked for.
 #[derive(Debug)]
 pub struct Prepared {
     pub facts: ChatFacts,
-    pub body: Map<String, Value>,
     pub prompts: Prompts,
+    pub prompt_text: Option<String>,
 }
 
-/// Parses and validates a body of `endpoint`. `generate_model` is the model `/generate` serves.
+/// Parses and validates a body of `endpoint`. `generate_model` is the model `/generate` serves;
+/// `want_prompt` asks for the prompt text (models whose prefix index records prompts).
 pub fn prepare_endpoint(
     endpoint: Endpoint,
     body: &[u8],
     bytes_per_token: u64,
     generate_model: Option<&str>,
+    want_prompt: bool,
 ) -> Result<Prepared, RouteError> {
     if endpoint == Endpoint::Chat {
-        let (facts, body) = prepare_with_body(body, bytes_per_token)?;
-        return Ok(Prepared { facts, body, prompts: Prompts::Messages });
+        let (facts, prompt_text) = prepare_chat(body, bytes_per_token, want_prompt)?;
+        return Ok(Prepared { facts, prompts: Prompts::Messages, prompt_text });
     }
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| RouteError::invalid(format!("request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(RouteError::invalid("request body must be a JSON object"));
-    };
-    let stream = stream_flag(&obj)?;
+    let obj = read_object::<Map<String, Value>>(body)?;
+    let stream = stream_flag(obj.get("stream"))?;
     let no_params = Map::new();
     let (model, prompts, sampling) = match endpoint {
         Endpoint::Completions => {
-            let model = required_model(&obj)?;
+            let model = required_model(obj.get("model"))?;
             let prompts = match obj.get("prompt") {
                 Some(p) => prompts_of(p, "prompt")?,
                 None => return Err(RouteError::invalid("`prompt` is required")),
@@ -126,20 +141,21 @@ pub fn prepare_endpoint(
             (model, prompts, sampling.unwrap_or(&no_params))
         }
     };
-    validate_sampling(sampling)?;
-    let n = optional_integer(sampling, "n")?.unwrap_or(1);
+    validate_sampling(|field| sampling.get(field))?;
+    let n = optional_integer(sampling.get("n"), "n")?.unwrap_or(1);
     if n < 1 {
         return Err(RouteError::invalid("`n` must be at least 1"));
     }
     let budget_field = if endpoint == Endpoint::Generate { "max_new_tokens" } else { "max_tokens" };
-    let output_budget = optional_integer(sampling, budget_field)?
+    let output_budget = optional_integer(sampling.get(budget_field), budget_field)?
         .map(|b| u64::try_from(b).map_err(|_| RouteError::invalid(format!("`{budget_field}` must be at least 0"))))
         .transpose()?;
     let input_tokens = prompts.longest_tokens(bytes_per_token);
     let expected_peak_tokens = output_budget.map(|b| input_tokens.saturating_add(b));
     let sequences = prompts.count().saturating_mul(u64::try_from(n).unwrap_or(u64::MAX));
     let facts = ChatFacts { model, stream, n: sequences, output_budget, input_tokens, expected_peak_tokens };
-    Ok(Prepared { facts, body: obj, prompts })
+    let prompt_text = want_prompt.then(|| prompts.text(bytes_per_token));
+    Ok(Prepared { facts, prompts, prompt_text })
 }
 
 /// A string, a list of strings, a list of token ids, or a list of token-id lists.
@@ -193,7 +209,7 @@ mod tests {
     use super::*;
 
     fn prep(endpoint: Endpoint, body: Value) -> Result<Prepared, RouteError> {
-        prepare_endpoint(endpoint, body.to_string().as_bytes(), 4, Some("gen-model"))
+        prepare_endpoint(endpoint, body.to_string().as_bytes(), 4, Some("gen-model"), true)
     }
 
     #[test]
@@ -246,7 +262,7 @@ mod tests {
         assert!(prep(Endpoint::Generate, json!({"sampling_params": {}})).is_err());
         let e = prep(Endpoint::Generate, json!({"text": "a", "sampling_params": {"top_p": 2}})).unwrap_err();
         assert!(e.message.contains("top_p"), "{}", e.message);
-        let none = prepare_endpoint(Endpoint::Generate, br#"{"text": "a"}"#, 4, None).unwrap_err();
+        let none = prepare_endpoint(Endpoint::Generate, br#"{"text": "a"}"#, 4, None, false).unwrap_err();
         assert_eq!(none.kind, ErrorKind::ModelNotFound);
     }
 

@@ -2,6 +2,7 @@
 //! buckets, and turn the selection into a [`Decision`] the filter carries out.
 
 pub mod bucket_loop;
+mod chat_body;
 pub mod decision;
 pub mod endpoint;
 pub mod exchange;
@@ -12,7 +13,7 @@ pub use bucket_loop::{select, Selection, SelectionFailure};
 pub use decision::{ChatOutcome, Decision, PendingChat, Target};
 pub use endpoint::{prepare_endpoint, token_id_text, Endpoint, Prepared, Prompts};
 pub use exchange::{ChatExchange, Effects};
-pub use prepare::{prepare, prepare_with_body, prompt_text, ChatFacts, MAX_PROMPT_BYTES};
+pub use prepare::{prepare, prepare_chat, ChatFacts, MAX_PROMPT_BYTES};
 
 use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};
 use crate::server::RouteError;

@@ -1,8 +1,9 @@
 //! Request preparation for `POST /v1/chat/completions` (spec §3): the routing facts, extracted
 //! once, and SGLang's validation of the sampling fields.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
+use super::chat_body::{ChatBody, Message, Messages};
 use crate::server::RouteError;
 
 /// What routing needs to know about a chat request.
@@ -20,37 +21,37 @@ pub struct ChatFacts {
 
 /// Parses and validates a chat body. `bytes_per_token` is ≥ 1 (validated configuration).
 pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<ChatFacts, RouteError> {
-    prepare_with_body(body, bytes_per_token).map(|(facts, _)| facts)
+    prepare_chat(body, bytes_per_token, false).map(|(facts, _)| facts)
 }
 
-/// [`prepare`], also handing back the parsed body so a PD dispatch can rewrite it without
-/// parsing it again.
-pub fn prepare_with_body(body: &[u8], bytes_per_token: u64) -> Result<(ChatFacts, Map<String, Value>), RouteError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| RouteError::invalid(format!("request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(RouteError::invalid("request body must be a JSON object"));
+/// [`prepare`], also building the prompt text the prefix index matches when `want_prompt`. One
+/// pass over the body, no JSON tree: see [`ChatBody`].
+pub fn prepare_chat(
+    body: &[u8],
+    bytes_per_token: u64,
+    want_prompt: bool,
+) -> Result<(ChatFacts, Option<String>), RouteError> {
+    let view = read_object::<ChatBody>(body)?;
+    let model = required_model(view.model.as_ref())?;
+    let messages = match &view.messages {
+        Messages::List(m) => m,
+        Messages::NotAnArray => return Err(RouteError::invalid("`messages` must be an array")),
+        Messages::Absent => return Err(RouteError::invalid("`messages` is required")),
     };
-    let model = required_model(&obj)?;
-    let messages = match obj.get("messages") {
-        Some(Value::Array(m)) => m,
-        Some(_) => return Err(RouteError::invalid("`messages` must be an array")),
-        None => return Err(RouteError::invalid("`messages` is required")),
-    };
-    let stream = stream_flag(&obj)?;
-    validate_sampling(&obj)?;
-    let n = optional_integer(&obj, "n")?.unwrap_or(1);
+    let stream = stream_flag(view.stream.as_ref())?;
+    validate_sampling(|field| view.field(field))?;
+    let n = optional_integer(view.n.as_ref(), "n")?.unwrap_or(1);
     if n < 1 {
         return Err(RouteError::invalid("`n` must be at least 1"));
     }
-    let output_budget = match optional_integer(&obj, "max_completion_tokens")? {
+    let output_budget = match optional_integer(view.max_completion_tokens.as_ref(), "max_completion_tokens")? {
         Some(b) => Some(b),
-        None => optional_integer(&obj, "max_tokens")?,
+        None => optional_integer(view.max_tokens.as_ref(), "max_tokens")?,
     };
     let output_budget = output_budget
         .map(|b| u64::try_from(b).map_err(|_| RouteError::invalid("the output budget must be at least 0")))
         .transpose()?;
-    let text_bytes = messages.iter().map(message_text_bytes).fold(0u64, u64::saturating_add);
+    let text_bytes = messages.iter().map(Message::text_bytes).fold(0u64, u64::saturating_add);
     let input_tokens = text_bytes.div_ceil(bytes_per_token.max(1));
     let expected_peak_tokens = output_budget
         .map(|b| {
@@ -69,7 +70,22 @@ pub fn prepare_with_body(body: &[u8], bytes_per_token: u64) -> Result<(ChatFacts
         input_tokens,
         expected_peak_tokens,
     };
-    Ok((facts, obj))
+    Ok((facts, want_prompt.then(|| prompt_text(messages))))
+}
+
+/// A request body read as `T`, which must be a JSON object: a body that is not JSON, or is JSON
+/// but not an object, gets its own message.
+pub(super) fn read_object<'a, T: serde::Deserialize<'a>>(body: &'a [u8]) -> Result<T, RouteError> {
+    let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    match serde_json::from_slice::<T>(body) {
+        Ok(value) if is_object => Ok(value),
+        Err(e) if is_object || serde_json::from_slice::<serde::de::IgnoredAny>(body).is_err() => {
+            let what =
+                if e.is_data() { "request body is not a valid request" } else { "request body is not valid JSON" };
+            Err(RouteError::invalid(format!("{what}: {e}")))
+        }
+        _ => Err(RouteError::invalid("request body must be a JSON object")),
+    }
 }
 
 /// The longest prompt the prefix index records; longer prompts are matched on this much.
@@ -78,52 +94,39 @@ pub const MAX_PROMPT_BYTES: usize = 64 * 1024;
 /// The text the prefix index matches: each message's role and text, in order, cut at
 /// [`MAX_PROMPT_BYTES`] on a character boundary. Multi-turn histories extend it, so a session's
 /// next turn shares the previous turn's prefix.
-pub fn prompt_text(body: &Map<String, Value>) -> String {
-    let mut out = String::new();
-    for m in body.get("messages").and_then(Value::as_array).into_iter().flatten() {
-        out.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));
+pub fn prompt_text(messages: &[Message]) -> String {
+    let size: usize =
+        messages.iter().map(|m| m.role.as_deref().map_or(0, str::len) + 3 + m.text_bytes() as usize).sum();
+    let mut out = String::with_capacity(size.min(MAX_PROMPT_BYTES + 1));
+    for m in messages {
+        out.push_str(m.role.as_deref().unwrap_or(""));
         out.push_str(": ");
-        match m.get("content") {
-            Some(Value::String(s)) => out.push_str(s),
-            Some(Value::Array(parts)) => {
-                for p in parts.iter().filter(|p| p.get("type").and_then(Value::as_str) == Some("text")) {
-                    out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""));
-                }
-            }
-            _ => {}
+        for text in &m.texts {
+            out.push_str(text);
         }
         out.push('\n');
         if out.len() >= MAX_PROMPT_BYTES {
             break;
         }
     }
-    if out.len() > MAX_PROMPT_BYTES {
-        let mut cut = MAX_PROMPT_BYTES;
-        while !out.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        out.truncate(cut);
-    }
+    cut_to_prompt_limit(&mut out);
     out
 }
 
-/// UTF-8 bytes of a message's text: a string content, or the text parts of an array content.
-fn message_text_bytes(message: &Value) -> u64 {
-    match message.get("content") {
-        Some(Value::String(s)) => s.len() as u64,
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .map(|t| t.len() as u64)
-            .fold(0, u64::saturating_add),
-        _ => 0,
+/// Cuts a prompt text at [`MAX_PROMPT_BYTES`], on a character boundary.
+pub(super) fn cut_to_prompt_limit(text: &mut String) {
+    if text.len() > MAX_PROMPT_BYTES {
+        let mut cut = MAX_PROMPT_BYTES;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
     }
 }
 
 /// The OpenAI bodies' `model`: required, a non-empty string.
-pub(super) fn required_model(obj: &Map<String, Value>) -> Result<String, RouteError> {
-    match obj.get("model") {
+pub(super) fn required_model(model: Option<&Value>) -> Result<String, RouteError> {
+    match model {
         Some(Value::String(m)) if !m.is_empty() => Ok(m.clone()),
         Some(_) => Err(RouteError::invalid("`model` must be a non-empty string")),
         None => Err(RouteError::invalid("`model` is required")),
@@ -131,8 +134,8 @@ pub(super) fn required_model(obj: &Map<String, Value>) -> Result<String, RouteEr
 }
 
 /// `stream`: a boolean; absent or `null` is false.
-pub(super) fn stream_flag(obj: &Map<String, Value>) -> Result<bool, RouteError> {
-    match obj.get("stream") {
+pub(super) fn stream_flag(stream: Option<&Value>) -> Result<bool, RouteError> {
+    match stream {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
         Some(_) => Err(RouteError::invalid("`stream` must be a boolean")),
@@ -141,8 +144,8 @@ pub(super) fn stream_flag(obj: &Map<String, Value>) -> Result<bool, RouteError> 
 
 /// An integer field; `null` counts as absent. Integral floats (`16.0`) are accepted as SGLang's
 /// pydantic models do.
-pub(super) fn optional_integer(obj: &Map<String, Value>, field: &str) -> Result<Option<i128>, RouteError> {
-    match obj.get(field) {
+pub(super) fn optional_integer(value: Option<&Value>, field: &str) -> Result<Option<i128>, RouteError> {
+    match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => {
             if let Some(i) = n.as_i64() {
@@ -160,18 +163,18 @@ pub(super) fn optional_integer(obj: &Map<String, Value>, field: &str) -> Result<
     }
 }
 
-fn optional_number(obj: &Map<String, Value>, field: &str) -> Result<Option<f64>, RouteError> {
-    match obj.get(field) {
+fn optional_number(value: Option<&Value>, field: &str) -> Result<Option<f64>, RouteError> {
+    match value {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => Ok(n.as_f64()),
         Some(_) => Err(RouteError::invalid(format!("`{field}` must be a number"))),
     }
 }
 
-/// SGLang's sampling-parameter ranges.
-pub(super) fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteError> {
+/// SGLang's sampling-parameter ranges; `get` reads a field of wherever the body keeps them.
+pub(super) fn validate_sampling<'a>(get: impl Fn(&str) -> Option<&'a Value>) -> Result<(), RouteError> {
     let check = |field: &str, ok: fn(f64) -> bool, range: &str| -> Result<(), RouteError> {
-        match optional_number(obj, field)? {
+        match optional_number(get(field), field)? {
             Some(v) if !ok(v) => Err(RouteError::invalid(format!("`{field}` must be {range}, got {v}"))),
             _ => Ok(()),
         }
@@ -182,7 +185,7 @@ pub(super) fn validate_sampling(obj: &Map<String, Value>) -> Result<(), RouteErr
     check("frequency_penalty", |v| (-2.0..=2.0).contains(&v), "in [-2, 2]")?;
     check("presence_penalty", |v| (-2.0..=2.0).contains(&v), "in [-2, 2]")?;
     check("repetition_penalty", |v| (0.0..=2.0).contains(&v), "in [0, 2]")?;
-    if let Some(k) = optional_integer(obj, "top_k")? {
+    if let Some(k) = optional_integer(get("top_k"), "top_k")? {
         if k != -1 && k < 1 {
             return Err(RouteError::invalid(format!("`top_k` must be -1 or at least 1, got {k}")));
         }
@@ -273,6 +276,86 @@ mod tests {
         assert!(invalid(json!({"model": "m"})).contains("`messages` is required"));
         assert!(invalid(json!({"model": "m", "messages": "hi"})).contains("must be an array"));
         assert!(invalid(json!({"messages": []})).contains("`model` is required"));
+    }
+
+    /// The reading the borrowed parse replaced, over a whole JSON tree: the reference it must agree with.
+    fn tree_reading(body: &serde_json::Value) -> (u64, String) {
+        let mut bytes = 0u64;
+        let mut text = String::new();
+        for m in body["messages"].as_array().into_iter().flatten() {
+            text.push_str(m.get("role").and_then(|r| r.as_str()).unwrap_or(""));
+            text.push_str(": ");
+            let parts: Vec<&str> = match m.get("content") {
+                Some(serde_json::Value::String(s)) => vec![s.as_str()],
+                Some(serde_json::Value::Array(parts)) => parts
+                    .iter()
+                    .filter(|p| p.get("type").and_then(|t| t.as_str()) == Some("text"))
+                    .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+                    .collect(),
+                _ => vec![],
+            };
+            for p in parts {
+                bytes += p.len() as u64;
+                text.push_str(p);
+            }
+            text.push('\n');
+        }
+        (bytes, text)
+    }
+
+    #[test]
+    fn escaped_text_counts_its_decoded_bytes_and_reads_back_decoded() {
+        let body = json!({"model": "m", "messages": [
+            {"role": "user", "content": "line\nbreak \"quoted\" é \u{1F600}"},
+            {"role": "assistant", "content": [{"type": "text", "text": "tab\there"}]}
+        ]});
+        let raw = body.to_string();
+        assert!(raw.contains("\\n") && raw.contains("\\t"), "the body carries escapes: {raw}");
+        let (facts, text) = prepare_chat(raw.as_bytes(), 1, true).unwrap();
+        let (bytes, expected) = tree_reading(&body);
+        assert_eq!((facts.input_tokens, text.as_deref()), (bytes, Some(expected.as_str())));
+    }
+
+    #[test]
+    fn unexpected_types_inside_messages_read_as_absent_but_messages_must_be_an_array() {
+        let body = json!({"model": "m", "messages": [
+            {"role": 7, "content": "abcd", "tool_calls": [{"id": "x"}], "name": null},
+            "not a message",
+            {"role": "user", "content": [{"type": "text", "text": 5}, ["odd"], {"type": "text", "text": "efgh"}]},
+            {"role": "user", "content": {"unexpected": "object"}}
+        ]});
+        let (facts, text) = prepare_chat(body.to_string().as_bytes(), 1, true).unwrap();
+        let (bytes, expected) = tree_reading(&body);
+        assert_eq!((facts.input_tokens, text), (bytes, Some(expected)));
+        assert!(invalid(json!({"model": "m", "messages": null})).contains("must be an array"));
+        assert!(invalid(json!({"model": "m", "messages": {"role": "user"}})).contains("must be an array"));
+        assert!(invalid(json!({"model": null, "messages": []})).contains("non-empty string"));
+        assert!(invalid(json!({"model": "m", "messages": [], "stream": "yes"})).contains("`stream`"));
+        assert!(prepare(b"  [1, 2]", 4).unwrap_err().message.contains("JSON object"));
+        assert!(prepare(b"\"text\"", 4).unwrap_err().message.contains("JSON object"));
+        assert!(prepare(br#"{"model": "m", "messages": []"#, 4).unwrap_err().message.contains("not valid JSON"));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #[test]
+        fn the_borrowed_reading_agrees_with_the_tree(
+            turns in proptest::collection::vec(("[a-z]{0,6}", "[ -~é\n\t\"\\\\]{0,40}", proptest::bool::ANY), 0..6)
+        ) {
+            let messages: Vec<serde_json::Value> = turns
+                .iter()
+                .map(|(role, text, as_parts)| if *as_parts {
+                    json!({"role": role, "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": text}}]})
+                } else {
+                    json!({"role": role, "content": text})
+                })
+                .collect();
+            let body = json!({"model": "m", "messages": messages, "max_tokens": 3});
+            let (facts, text) = prepare_chat(body.to_string().as_bytes(), 1, true).unwrap();
+            let (bytes, expected) = tree_reading(&body);
+            proptest::prop_assert_eq!(facts.input_tokens, bytes);
+            proptest::prop_assert_eq!(text, Some(expected));
+        }
     }
 
     #[test]
