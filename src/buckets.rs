@@ -4,7 +4,7 @@
 
 use std::cmp::Ordering;
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::policies::{BoxFuture, Pick, PickError, PickRequest, Policy};
 use crate::registry::{LiveWorkers, Role, Worker};
@@ -23,21 +23,45 @@ pub struct EngineGroup {
     stage: Role,
     membership: Membership,
     policy: Arc<dyn Policy>,
+    /// The last candidate list, kept while the live view it came from is unchanged, so a request
+    /// does not filter every worker of the registry again (the views change when health does).
+    cached: Mutex<Option<Candidates>>,
+}
+
+#[derive(Debug)]
+struct Candidates {
+    live: LiveWorkers,
+    model: String,
+    list: Arc<[Arc<Worker>]>,
 }
 
 impl EngineGroup {
     /// A catch-all group: every healthy engine of the model and stage.
     pub fn new(stage: Role, policy: Arc<dyn Policy>) -> Self {
-        Self { stage, membership: Membership::All, policy }
+        Self { stage, membership: Membership::All, policy, cached: Mutex::default() }
     }
 
     /// A group of the listed workers only (`worker_ids: []` is a group of none).
     pub fn with_members(stage: Role, members: impl IntoIterator<Item = String>, policy: Arc<dyn Policy>) -> Self {
-        Self { stage, membership: Membership::Only(members.into_iter().collect()), policy }
+        Self { stage, membership: Membership::Only(members.into_iter().collect()), policy, cached: Mutex::default() }
     }
 
     /// Live workers of the model and this stage that belong to the group, sorted by stable id.
-    pub fn candidates(&self, live: &LiveWorkers, model: &str) -> Vec<Arc<Worker>> {
+    pub fn candidates(&self, live: &LiveWorkers, model: &str) -> Arc<[Arc<Worker>]> {
+        let Ok(mut cached) = self.cached.lock() else {
+            return self.filter(live, model);
+        };
+        match cached.as_ref() {
+            Some(c) if c.live.is_same_view(live) && c.model == model => Arc::clone(&c.list),
+            _ => {
+                let list = self.filter(live, model);
+                *cached = Some(Candidates { live: live.clone(), model: model.to_string(), list: Arc::clone(&list) });
+                list
+            }
+        }
+    }
+
+    fn filter(&self, live: &LiveWorkers, model: &str) -> Arc<[Arc<Worker>]> {
         live.serving(model, self.stage)
             .filter(|w| match &self.membership {
                 Membership::All => true,
@@ -268,6 +292,22 @@ mod tests {
 
     fn request(stage: Role) -> PickRequest<'static> {
         crate::testing::request(stage)
+    }
+
+    #[test]
+    fn candidates_are_kept_for_the_same_live_view_and_follow_a_new_one() {
+        let workers = [plain("A"), plain("B"), plain("C")];
+        let group = EngineGroup::new(Role::Plain, Scripted::first());
+        let view = live(&workers, &["B"]);
+        let first = group.candidates(&view, "m");
+        let names = |c: &[Arc<Worker>]| c.iter().map(|w| w.id.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&first), ["A", "C"]);
+        assert!(Arc::ptr_eq(&first, &group.candidates(&view.clone(), "m")), "the same view: the same list");
+        // Equal contents in new allocations (health published again) are a new view: recomputed.
+        let healed = live(&workers, &[]);
+        assert_eq!(names(&group.candidates(&healed, "m")), ["A", "B", "C"]);
+        assert_eq!(names(&group.candidates(&view, "m")), ["A", "C"]);
+        assert!(group.candidates(&view, "other-model").is_empty());
     }
 
     // ---- BucketResolver::resolve (design §3) ----

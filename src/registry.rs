@@ -153,6 +153,13 @@ impl LiveWorkers {
         Self { workers, unavailable }
     }
 
+    /// Whether `other` is this very view (the same registry and unavailable set, not equal copies):
+    /// what was computed from one holds for the other. Holding the view keeps its allocations
+    /// alive, so a later view cannot reuse their addresses.
+    pub fn is_same_view(&self, other: &LiveWorkers) -> bool {
+        Arc::ptr_eq(&self.workers, &other.workers) && Arc::ptr_eq(&self.unavailable, &other.unavailable)
+    }
+
     /// Available workers of `model` serving `stage`, in id order.
     pub fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Worker>> + 'a {
         self.workers.iter().filter(move |w| w.model == model && w.role == stage && !self.unavailable.contains(&w.id))
