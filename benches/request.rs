@@ -3,7 +3,7 @@
 //! the stream's end, as `proxy/filter.rs` drives them — over a `MemoryHost` behind a counting
 //! `Host`, with a counting allocator, the service publishing load and health beside it. Prints per
 //! request: time per phase, host calls by kind and by table, allocations per phase, and the
-//! counters the glue bumps, for each policy over 8 and 512 engines. Runs natively
+//! counters the glue bumps, for each policy over 8, 512 and 4,096 engines. Runs natively
 //! (`cargo bench --bench request`) and inside wasm under Node
 //! (`cargo bench --bench request --target wasm32-wasip1 --no-default-features`). Never asserted.
 
@@ -259,12 +259,12 @@ fn main() {
     println!("one request through the core, {target}");
     // `-- <policy> <engines>` runs one of them (for a profiler).
     let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
-    for engines in [8, 512] {
+    for engines in [8, 512, 4096] {
         for policy in ["round_robin", "power_of_two", "cache_aware"] {
             if only.first().is_some_and(|p| p != policy) || only.get(1).is_some_and(|n| *n != engines.to_string()) {
                 continue;
             }
-            run(engines, policy, if engines > 64 { 2_000 } else { 20_000 });
+            run(engines, policy, if engines > 64 { 20_000_000 / engines as u32 / 10 } else { 20_000 });
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Cost of the selection core: one pick per policy over 8, 64 and 512 engines, and one resolve
+//! Cost of the selection core: one pick per policy over 8, 64, 512 and 4,096 engines, and one resolve
 //! over 4 and 32 buckets. Runs natively (`cargo bench --bench selection`) and inside wasm under
 //! Node (`--target wasm32-wasip1 --no-default-features`). Prints ns per operation; never asserted.
 
@@ -93,7 +93,7 @@ fn main() {
     };
     let limits =
         AdmissionLimits { max_running_requests: Some(1_000), max_inflight_requests: Some(1_000), ..Default::default() };
-    for n in [8usize, 64, 512] {
+    for n in [8usize, 64, 512, 4096] {
         let ws = workers(n);
         let load = Arc::new(StaticLoad::new(loads(&ws)));
         let inflight = Arc::new(MemoryInflight::default());
@@ -113,7 +113,7 @@ fn main() {
             ("load_based", Box::new(LeastLoadPolicy::new(gate.clone()))),
         ];
         for (name, policy) in &policies {
-            let iterations = if n >= 512 && *name == "load_based" { 20_000 } else { 200_000 };
+            let iterations = if n >= 512 && *name == "load_based" { 20_000 * 512 / n as u32 } else { 200_000 };
             time(&format!("pick {name}, {n} engines"), iterations, || {
                 black_box(poll(policy.pick(black_box(&ws), &request)).ok());
             });

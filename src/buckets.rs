@@ -88,7 +88,9 @@ impl EngineGroup {
                 )));
             }
             let pick = self.policy.pick(&candidates, request).await?;
-            if candidates.iter().any(|c| Arc::ptr_eq(c, &pick.worker)) {
+            // Candidates are in id order: finding the answer costs log(group), not the group.
+            let found = candidates.binary_search_by(|c| c.id.as_str().cmp(&pick.worker.id));
+            if found.is_ok_and(|i| candidates.get(i).is_some_and(|c| Arc::ptr_eq(c, &pick.worker))) {
                 Ok(pick)
             } else {
                 Err(PickError::OutsideCandidates { worker: pick.worker.id.clone() })

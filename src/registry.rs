@@ -148,7 +148,7 @@ pub struct LiveWorkers {
 }
 
 impl LiveWorkers {
-    /// A fixed view, for tests and benchmarks.
+    /// A fixed view, for tests and benchmarks; `workers` in id order, as the registry keeps them.
     pub fn new(workers: Arc<[Arc<Worker>]>, unavailable: Arc<HashSet<String>>) -> Self {
         Self { workers, unavailable }
     }

@@ -33,7 +33,8 @@ pub struct AppContext {
     prefix_models: HashSet<String>,
     /// Models with a PD bucket: their requests keep a copy of the body for the bootstrap rewrite.
     pd_models: HashSet<String>,
-    headers: ProtectedHeaders,
+    /// Shared with each request's filter context, which reads it while calling the host.
+    headers: Arc<ProtectedHeaders>,
     /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
     indexer: Option<Arc<IndexerClient>>,
     /// The model `/generate` serves (`serve_generate`; validation allows one at most).
@@ -65,7 +66,7 @@ impl AppContext {
         Self {
             generate_model,
             indexer,
-            headers: ProtectedHeaders::new(&config, upstream.name()),
+            headers: Arc::new(ProtectedHeaders::new(&config, upstream.name())),
             config: Arc::new(config),
             registry,
             availability,
@@ -91,7 +92,7 @@ impl AppContext {
         self.availability.unmonitored()
     }
 
-    pub fn headers(&self) -> &ProtectedHeaders {
+    pub fn headers(&self) -> &Arc<ProtectedHeaders> {
         &self.headers
     }
 
