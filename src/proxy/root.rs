@@ -17,6 +17,7 @@ use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
 use crate::server::factory::filter_handles;
 use crate::server::AppContext;
+use crate::state::load_monitor::SYNC_MS;
 use crate::state::vm_registry;
 use std::time::Duration;
 
@@ -32,6 +33,8 @@ pub struct Root {
     /// This VM's replica of the prefix index.
     prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
+    /// When this filter VM last heartbeated; it ticks every in-flight sync, more often.
+    heartbeat_ms: u64,
 }
 
 fn root_id() -> String {
@@ -54,9 +57,10 @@ impl Root {
     }
 
     /// Tells the service this VM is alive, so its in-flight shares are kept.
-    fn heartbeat(&self) {
+    fn heartbeat(&mut self) {
         if let Some(vm) = self.vm {
-            if let Err(e) = vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
+            self.heartbeat_ms = ProxyHost.now_ms();
+            if let Err(e) = vm_registry::heartbeat(&ProxyHost, vm, self.heartbeat_ms) {
                 log::warn!("heartbeat not written: {e}");
             }
         }
@@ -93,7 +97,7 @@ impl RootContext for Root {
                 self.prefixes = Some(prefixes);
                 self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));
                 self.heartbeat();
-                self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
+                self.set_tick_period(Duration::from_millis(SYNC_MS));
                 true
             }
             SERVICE_ROOT_ID => {
@@ -121,7 +125,9 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
-        if let Some(app) = &self.filter {
+        let Some(app) = self.filter.clone() else { return };
+        app.borrow().handles().inflight.sync();
+        if ProxyHost.now_ms().saturating_sub(self.heartbeat_ms) >= vm_registry::HEARTBEAT_MS {
             self.heartbeat();
             self.export_replica();
             let unmonitored = app.borrow().unmonitored_workers() as u64;

@@ -60,7 +60,7 @@ pub fn filter_handles(
     ));
     let handles = StateHandles {
         load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms)),
-        inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm)),
+        inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm, config.workers.iter().map(|w| w.id.as_str()))),
         random: Arc::new(SeededRandom::from_host(host.as_ref())),
         callouts,
         affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),

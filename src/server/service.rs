@@ -70,7 +70,7 @@ impl ServiceCore {
         Self {
             prefixes,
             affinity: AffinityStore::new(Arc::clone(&host)),
-            inflight: SharedInflight::new(Arc::clone(&host), 0),
+            inflight: SharedInflight::new(Arc::clone(&host), 0, config.workers.iter().map(|w| w.id.as_str())),
             host,
             config,
             workers,
@@ -158,6 +158,7 @@ impl ServiceCore {
                 }
             }
             PollKind::Load(index) => {
+                self.inflight.sync_if_due(now);
                 let dispatches = self.workers.get(index).map(|w| self.inflight.dispatched_total(&w.id)).unwrap_or(0);
                 if let Err(e) = self.load.record(index, ok.then_some(body), now, dispatches) {
                     if let Some(w) = self.workers.get(index) {
@@ -247,16 +248,15 @@ impl ServiceCore {
         if dead.is_empty() {
             return;
         }
-        for worker in &self.workers {
-            match SharedInflight::reclaim(self.host.as_ref(), &worker.id, &dead) {
-                Ok(0) => {}
-                Ok(n) => log::warn!("reclaimed {n} in-flight requests of {} from {} dead VMs", worker.id, dead.len()),
-                Err(e) => log::warn!("in-flight of {} not reclaimed: {e}", worker.id),
-            }
+        match self.inflight.reclaim(&dead) {
+            Ok(0) => {}
+            Ok(n) => log::warn!("reclaimed {n} in-flight requests from {} dead VMs", dead.len()),
+            Err(e) => log::warn!("in-flight of dead VMs not reclaimed: {e}"),
         }
     }
 
     fn gauges(&self, now: u64) -> Vec<(String, u64)> {
+        self.inflight.sync_if_due(now);
         let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
         let mut gauges = Vec::with_capacity(2 * self.workers.len() + 8);
         let mut fresh = 0;

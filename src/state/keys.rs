@@ -8,10 +8,13 @@ pub fn round_robin_cursor(instance: &str) -> String {
     format!("sgl.rr.{instance}")
 }
 
-/// In-flight and dispatched-total counters of one worker.
-pub fn inflight(worker: &str) -> String {
-    format!("sgl.inflight.{worker}")
+/// One filter VM's in-flight records for every worker (only that VM writes it).
+pub fn inflight_share(vm: u64) -> String {
+    format!("sgl.inflight.vm.{vm:016x}")
 }
+
+/// The dispatch totals of filter VMs that died, folded in by the service.
+pub const INFLIGHT_RETIRED: &str = "sgl.inflight.retired";
 
 /// Circuit-breaker state of the workers that have failures or an open breaker.
 pub const BREAKERS: &str = "sgl.breakers";

@@ -38,7 +38,7 @@ pub struct LocalLoad {
 /// Weight of the newest request in the moving average of hold times.
 const HOLD_WEIGHT: f64 = 0.1;
 
-fn averaged(old_ms: f64, held_ms: u64) -> f64 {
+pub(super) fn averaged(old_ms: f64, held_ms: u64) -> f64 {
     if old_ms > 0.0 {
         old_ms + HOLD_WEIGHT * (held_ms as f64 - old_ms)
     } else {
@@ -55,6 +55,8 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64);
     /// The clock hold times are measured on.
     fn now_ms(&self) -> u64;
+    /// Exchanges this router's counts with the other VMs' (a table that is not shared: nothing).
+    fn sync(&self) {}
 
     fn inflight(&self, worker: &str) -> u64 {
         self.local_load(worker).inflight
@@ -69,14 +71,14 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
 /// the tokens of the requests still in flight (a finished request's prefill is certainly done, so
 /// an underestimated rate cannot pile up work that no longer exists).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct PrefillQueue {
-    tokens: u64,
-    at_ms: u64,
-    tokens_per_ms: f64,
+pub(super) struct PrefillQueue {
+    pub(super) tokens: u64,
+    pub(super) at_ms: u64,
+    pub(super) tokens_per_ms: f64,
 }
 
 impl PrefillQueue {
-    fn at(&self, now_ms: u64, outstanding: u64) -> u64 {
+    pub(super) fn at(&self, now_ms: u64, outstanding: u64) -> u64 {
         let drained = now_ms.saturating_sub(self.at_ms) as f64 * self.tokens_per_ms.max(0.0);
         let left = (self.tokens as f64 - drained).max(0.0) as u64;
         left.min(outstanding)
@@ -134,48 +136,61 @@ impl MemoryInflight {
     }
 }
 
-/// One engine's record: what [`MemoryInflight`] keeps per worker and each VM share in shared data.
+/// One engine's record: what [`MemoryInflight`] keeps per worker, and what each VM keeps of its
+/// own dispatches and publishes (`shared_inflight.rs`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Record {
-    inflight: u64,
-    total: u64,
-    outstanding_tokens: u64,
-    prefilled: u64,
-    queue: PrefillQueue,
-    hold_ms: f64,
+pub(super) struct Record {
+    pub(super) inflight: u64,
+    pub(super) total: u64,
+    pub(super) outstanding_tokens: u64,
+    pub(super) prefilled: u64,
+    pub(super) queue: PrefillQueue,
+    pub(super) hold_ms: f64,
+}
+
+impl Record {
+    pub(super) fn acquire(&mut self, now_ms: u64, work: PrefillWork) {
+        self.inflight = self.inflight.saturating_add(1);
+        self.total = self.total.saturating_add(1);
+        self.prefilled = self.prefilled.saturating_add(work.tokens);
+        self.outstanding_tokens = self.outstanding_tokens.saturating_add(work.tokens);
+        self.queue.add(now_ms, self.outstanding_tokens, work);
+    }
+
+    pub(super) fn release(&mut self, prefill_tokens: u64, held_ms: u64) {
+        self.inflight = self.inflight.saturating_sub(1);
+        self.outstanding_tokens = self.outstanding_tokens.saturating_sub(prefill_tokens);
+        self.hold_ms = averaged(self.hold_ms, held_ms);
+    }
+
+    pub(super) fn local_load(&self, now_ms: u64) -> LocalLoad {
+        LocalLoad {
+            inflight: self.inflight,
+            dispatched_total: self.total,
+            pending_prefill_tokens: self.queue.at(now_ms, self.outstanding_tokens),
+            prefilled_total: self.prefilled,
+            hold_ms: (self.hold_ms > 0.0).then_some(self.hold_ms),
+        }
+    }
 }
 
 impl InflightTable for MemoryInflight {
     fn local_load(&self, worker: &str) -> LocalLoad {
         let now = self.now_ms.load(Ordering::SeqCst);
         let r = self.records.lock().ok().and_then(|c| c.get(worker).copied()).unwrap_or_default();
-        LocalLoad {
-            inflight: r.inflight,
-            dispatched_total: r.total,
-            pending_prefill_tokens: r.queue.at(now, r.outstanding_tokens),
-            prefilled_total: r.prefilled,
-            hold_ms: (r.hold_ms > 0.0).then_some(r.hold_ms),
-        }
+        r.local_load(now)
     }
 
     fn acquire(&self, worker: &str, work: PrefillWork) {
         let now = self.now_ms.load(Ordering::SeqCst);
         if let Ok(mut c) = self.records.lock() {
-            let r = c.entry(worker.to_string()).or_default();
-            r.inflight += 1;
-            r.total += 1;
-            r.prefilled = r.prefilled.saturating_add(work.tokens);
-            r.outstanding_tokens = r.outstanding_tokens.saturating_add(work.tokens);
-            r.queue.add(now, r.outstanding_tokens, work);
+            c.entry(worker.to_string()).or_default().acquire(now, work);
         }
     }
 
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
         if let Ok(mut c) = self.records.lock() {
-            let r = c.entry(worker.to_string()).or_default();
-            r.inflight = r.inflight.saturating_sub(1);
-            r.outstanding_tokens = r.outstanding_tokens.saturating_sub(prefill_tokens);
-            r.hold_ms = averaged(r.hold_ms, held_ms);
+            c.entry(worker.to_string()).or_default().release(prefill_tokens, held_ms);
         }
     }
 
@@ -243,271 +258,3 @@ mod tests {
     }
 }
 
-/// In-flight counts in shared data, one fixed key per worker. Each VM keeps its own share inside
-/// the key, so the share of a VM that crashed can be reclaimed without touching anyone else's;
-/// the dispatch total of a reclaimed share is kept, so corrections never jump backwards.
-pub struct SharedInflight {
-    host: Arc<dyn crate::host::Host>,
-    vm: u64,
-}
-
-/// The decoded value of one worker's key: the engine's prefill queue, then one share per VM.
-#[derive(Debug, Default, PartialEq)]
-struct Shares {
-    retired_total: u64,
-    retired_prefilled: u64,
-    hold_ms: f64,
-    queue: PrefillQueue,
-    vms: Vec<Share>,
-}
-
-/// One VM's share: its in-flight requests and their uncached tokens, and its totals.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Share {
-    vm: u64,
-    inflight: u64,
-    total: u64,
-    outstanding_tokens: u64,
-    prefilled: u64,
-}
-
-const HEADER_WORDS: usize = 6;
-const SHARE_WORDS: usize = 5;
-
-impl Shares {
-    fn decode(bytes: &[u8]) -> Self {
-        let word = |c: &[u8], i: usize| c.get(i * 8..i * 8 + 8).and_then(crate::state::shared::decode_u64).unwrap_or(0);
-        let queue = PrefillQueue {
-            tokens: word(bytes, 3),
-            at_ms: word(bytes, 4),
-            tokens_per_ms: f64::from_bits(word(bytes, 5)),
-        };
-        let vms = bytes
-            .get(HEADER_WORDS * 8..)
-            .unwrap_or_default()
-            .chunks_exact(SHARE_WORDS * 8)
-            .map(|c| Share {
-                vm: word(c, 0),
-                inflight: word(c, 1),
-                total: word(c, 2),
-                outstanding_tokens: word(c, 3),
-                prefilled: word(c, 4),
-            })
-            .collect();
-        let (retired_total, retired_prefilled, hold_ms) =
-            (word(bytes, 0), word(bytes, 1), f64::from_bits(word(bytes, 2)));
-        Self { retired_total, retired_prefilled, hold_ms, queue, vms }
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity((HEADER_WORDS + SHARE_WORDS * self.vms.len()) * 8);
-        let q = &self.queue;
-        let words = [
-            self.retired_total,
-            self.retired_prefilled,
-            self.hold_ms.to_bits(),
-            q.tokens,
-            q.at_ms,
-            q.tokens_per_ms.to_bits(),
-        ];
-        for w in words {
-            out.extend_from_slice(&w.to_le_bytes());
-        }
-        for s in &self.vms {
-            for w in [s.vm, s.inflight, s.total, s.outstanding_tokens, s.prefilled] {
-                out.extend_from_slice(&w.to_le_bytes());
-            }
-        }
-        out
-    }
-
-    fn inflight(&self) -> u64 {
-        self.vms.iter().map(|v| v.inflight).fold(0, u64::saturating_add)
-    }
-
-    fn total(&self) -> u64 {
-        self.vms.iter().map(|v| v.total).fold(self.retired_total, u64::saturating_add)
-    }
-
-    fn outstanding_tokens(&self) -> u64 {
-        self.vms.iter().map(|v| v.outstanding_tokens).fold(0, u64::saturating_add)
-    }
-
-    fn prefilled(&self) -> u64 {
-        self.vms.iter().map(|v| v.prefilled).fold(self.retired_prefilled, u64::saturating_add)
-    }
-
-    fn own(&mut self, vm: u64) -> &mut Share {
-        let i = match self.vms.iter().position(|v| v.vm == vm) {
-            Some(i) => i,
-            None => {
-                self.vms.push(Share { vm, ..Share::default() });
-                self.vms.len() - 1
-            }
-        };
-        &mut self.vms[i]
-    }
-}
-
-impl SharedInflight {
-    /// `vm` identifies this VM's share; it must be unique per VM instance.
-    pub fn new(host: Arc<dyn crate::host::Host>, vm: u64) -> Self {
-        Self { host, vm }
-    }
-
-    fn read(&self, worker: &str) -> Shares {
-        match self.host.shared_get(&crate::state::keys::inflight(worker)) {
-            Ok(Some(v)) => Shares::decode(&v.bytes),
-            _ => Shares::default(),
-        }
-    }
-
-    fn change(&self, worker: &str, f: impl Fn(&mut Shares)) {
-        let key = crate::state::keys::inflight(worker);
-        let result = crate::state::shared::update(self.host.as_ref(), &key, &Shares::default().encode(), |bytes| {
-            let mut shares = Shares::decode(bytes);
-            f(&mut shares);
-            (shares.encode(), ())
-        });
-        if let Err(e) = result {
-            log::warn!("in-flight count of {worker} not updated: {e}");
-        }
-    }
-
-    /// The service's sweep: folds the shares of dead VMs away, keeping their dispatch totals and
-    /// dropping their requests' tokens from the prefill bound.
-    pub fn reclaim(host: &dyn crate::host::Host, worker: &str, dead: &[u64]) -> Result<u64, crate::host::HostError> {
-        let key = crate::state::keys::inflight(worker);
-        crate::state::shared::update(host, &key, &Shares::default().encode(), |bytes| {
-            let mut shares = Shares::decode(bytes);
-            let (mut reclaimed, mut retired, mut prefilled) = (0u64, 0u64, 0u64);
-            shares.vms.retain(|s| {
-                if dead.contains(&s.vm) {
-                    retired = retired.saturating_add(s.total);
-                    prefilled = prefilled.saturating_add(s.prefilled);
-                    reclaimed = reclaimed.saturating_add(s.inflight);
-                    false
-                } else {
-                    true
-                }
-            });
-            shares.retired_total = shares.retired_total.saturating_add(retired);
-            shares.retired_prefilled = shares.retired_prefilled.saturating_add(prefilled);
-            (shares.encode(), reclaimed)
-        })
-    }
-}
-
-impl std::fmt::Debug for SharedInflight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedInflight").field("vm", &self.vm).finish()
-    }
-}
-
-impl InflightTable for SharedInflight {
-    fn local_load(&self, worker: &str) -> LocalLoad {
-        let s = self.read(worker);
-        LocalLoad {
-            inflight: s.inflight(),
-            dispatched_total: s.total(),
-            pending_prefill_tokens: s.queue.at(self.host.now_ms(), s.outstanding_tokens()),
-            prefilled_total: s.prefilled(),
-            hold_ms: (s.hold_ms > 0.0).then_some(s.hold_ms),
-        }
-    }
-
-    fn acquire(&self, worker: &str, work: PrefillWork) {
-        let (vm, now) = (self.vm, self.host.now_ms());
-        self.change(worker, |s| {
-            let own = s.own(vm);
-            own.inflight = own.inflight.saturating_add(1);
-            own.total = own.total.saturating_add(1);
-            own.outstanding_tokens = own.outstanding_tokens.saturating_add(work.tokens);
-            own.prefilled = own.prefilled.saturating_add(work.tokens);
-            let outstanding = s.outstanding_tokens();
-            s.queue.add(now, outstanding, work);
-        });
-    }
-
-    fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
-        let vm = self.vm;
-        self.change(worker, |s| {
-            let own = s.own(vm);
-            own.inflight = own.inflight.saturating_sub(1);
-            own.outstanding_tokens = own.outstanding_tokens.saturating_sub(prefill_tokens);
-            s.hold_ms = averaged(s.hold_ms, held_ms);
-        });
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.host.now_ms()
-    }
-}
-
-#[cfg(test)]
-mod shared_tests {
-    use super::*;
-    use crate::host::MemoryHost;
-    use crate::testing::test;
-
-    #[test]
-    fn shared_counts_are_seen_by_every_vm_and_never_go_below_zero() {
-        let host: Arc<dyn crate::host::Host> = Arc::new(MemoryHost::default());
-        let vm1 = SharedInflight::new(Arc::clone(&host), 1);
-        let vm2 = SharedInflight::new(host, 2);
-        vm1.acquire("A", PrefillWork::NONE);
-        vm2.acquire("A", PrefillWork::NONE);
-        assert_eq!((vm1.inflight("A"), vm2.inflight("A")), (2, 2));
-        vm2.release("A", 0, 0);
-        vm1.release("A", 0, 0);
-        vm1.release("A", 0, 0);
-        assert_eq!((vm2.inflight("A"), vm2.dispatched_total("A")), (0, 2));
-    }
-
-    #[test]
-    fn a_dead_vms_share_is_reclaimed_and_its_dispatches_still_count() {
-        let host: Arc<dyn crate::host::Host> = Arc::new(MemoryHost::default());
-        let crashed = SharedInflight::new(Arc::clone(&host), 1);
-        let alive = SharedInflight::new(Arc::clone(&host), 2);
-        crashed.acquire("A", PrefillWork::NONE);
-        crashed.acquire("A", PrefillWork::NONE);
-        alive.acquire("A", PrefillWork::NONE);
-        assert_eq!(alive.inflight("A"), 3);
-        assert_eq!(SharedInflight::reclaim(host.as_ref(), "A", &[1]).unwrap(), 2);
-        assert_eq!((alive.inflight("A"), alive.dispatched_total("A")), (1, 3));
-        alive.release("A", 0, 0);
-        assert_eq!(alive.inflight("A"), 0);
-    }
-
-    #[test]
-    fn every_vm_feeds_one_prefill_queue_and_a_dead_vms_tokens_leave_the_bound() {
-        let host = Arc::new(MemoryHost::default());
-        let vm1 = SharedInflight::new(host.clone(), 1);
-        let vm2 = SharedInflight::new(host.clone(), 2);
-        let work = PrefillWork { tokens: 400, tokens_per_ms: 0.001 };
-        vm1.acquire("A", work);
-        vm2.acquire("A", work);
-        assert_eq!(vm1.local_load("A").pending_prefill_tokens, 800);
-        SharedInflight::reclaim(host.as_ref(), "A", &[2]).unwrap();
-        assert_eq!(vm1.local_load("A").pending_prefill_tokens, 400, "the dead VM's request no longer counts");
-        vm1.release("A", 400, 0);
-        assert_eq!(vm1.local_load("A").pending_prefill_tokens, 0);
-    }
-
-    #[test]
-    fn concurrent_updates_from_many_vms_are_not_lost() {
-        // Interleave read-modify-write cycles: every VM reads, then every VM writes with its cas.
-        let host = Arc::new(MemoryHost::default());
-        let vms: Vec<SharedInflight> = (0..8).map(|vm| SharedInflight::new(host.clone(), vm)).collect();
-        for round in 0..50 {
-            for vm in &vms {
-                vm.acquire("A", PrefillWork::NONE);
-                if round % 2 == 1 {
-                    vm.release("A", 0, 0);
-                }
-            }
-        }
-        assert_eq!(vms[0].inflight("A"), 8 * 25);
-        assert_eq!(vms[3].dispatched_total("A"), 8 * 50);
-    }
-}

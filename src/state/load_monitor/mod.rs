@@ -5,11 +5,13 @@
 mod inflight;
 mod poller;
 mod reports;
+mod shared_inflight;
 mod shared_view;
 mod table;
 
-pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork, SharedInflight};
+pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork};
 pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};
+pub use shared_inflight::{SharedInflight, SYNC_MS};
 pub use shared_view::SharedLoadView;
 pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};

@@ -1,0 +1,415 @@
+//! In-flight accounting across VMs (design §6, spec §5: counts live in shared data, survive a VM
+//! crash, never go below zero). Each VM owns one shared key holding its records for every worker:
+//! it counts its own dispatches in memory, exactly and without a host call, and publishes them with
+//! one blind write per sync; it reads what the other live VMs last published once per sync. The
+//! request path makes no shared-data call for accounting, and no key is ever written by two VMs,
+//! so nothing needs cas.
+//!
+//! The bound, stated: a VM sees its own dispatches at once and another VM's within two syncs
+//! ([`SYNC_MS`] each: the writer's and the reader's). A cap such as `max_inflight_requests` can be
+//! exceeded by at most what the other VMs dispatched in that window; with one worker thread the
+//! counts are exact. Each VM's prefill estimate drains as its own lane, so with several VMs the
+//! pending-prefill sum drains up to that many times faster than one lane would, and stays bounded
+//! by the tokens still in flight.
+
+use std::sync::{Arc, Mutex};
+
+use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
+use crate::host::{Host, HostError};
+use crate::state::shared::decode_u64;
+use crate::state::{keys, vm_registry};
+
+/// How often a filter VM publishes its records and reads the others' (its tick).
+pub const SYNC_MS: u64 = 5;
+
+/// Leads each VM's key: an empty value would read back as absent.
+const SHARE_HEADER: [u8; 8] = *b"sglinf02";
+/// Leads the dead VMs' folded totals, which only the service writes.
+const RETIRED_HEADER: [u8; 8] = *b"sglret02";
+const RECORD_WORDS: usize = 8;
+const RETIRED_WORDS: usize = 2;
+
+fn words<'a>(bytes: &'a [u8], header: &[u8; 8], per_record: usize) -> Option<impl Iterator<Item = u64> + 'a> {
+    let body = bytes.strip_prefix(header.as_slice())?;
+    (body.len() % (per_record * 8) == 0).then(|| body.chunks_exact(8).map(|w| decode_u64(w).unwrap_or(0)))
+}
+
+fn encode_records(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(SHARE_HEADER.len() + records.len() * RECORD_WORDS * 8);
+    out.extend_from_slice(&SHARE_HEADER);
+    for r in records {
+        let q = &r.queue;
+        let record = [
+            r.inflight,
+            r.total,
+            r.outstanding_tokens,
+            r.prefilled,
+            q.tokens,
+            q.at_ms,
+            q.tokens_per_ms.to_bits(),
+            r.hold_ms.to_bits(),
+        ];
+        for w in record {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// A VM's published records, or `None` for one this build cannot read (or a reclaimed VM's).
+fn decode_records(bytes: &[u8], workers: usize) -> Option<Vec<Record>> {
+    let mut w = words(bytes, &SHARE_HEADER, RECORD_WORDS)?;
+    let mut out = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let mut next = || w.next();
+        out.push(Record {
+            inflight: next()?,
+            total: next()?,
+            outstanding_tokens: next()?,
+            prefilled: next()?,
+            queue: PrefillQueue { tokens: next()?, at_ms: next()?, tokens_per_ms: f64::from_bits(next()?) },
+            hold_ms: f64::from_bits(next()?),
+        });
+    }
+    Some(out)
+}
+
+fn decode_retired(bytes: &[u8], workers: usize) -> Vec<(u64, u64)> {
+    let mut out = vec![(0, 0); workers];
+    if let Some(mut w) = words(bytes, &RETIRED_HEADER, RETIRED_WORDS) {
+        for slot in &mut out {
+            match (w.next(), w.next()) {
+                (Some(total), Some(prefilled)) => *slot = (total, prefilled),
+                _ => break,
+            }
+        }
+    }
+    out
+}
+
+fn encode_retired(retired: &[(u64, u64)]) -> Vec<u8> {
+    let body = retired.iter().flat_map(|(t, p)| t.to_le_bytes().into_iter().chain(p.to_le_bytes()));
+    RETIRED_HEADER.into_iter().chain(body).collect()
+}
+
+/// The mean of two hold-time averages, each weighted by the dispatches behind it.
+fn merged_hold(a: &Record, b: &Record) -> f64 {
+    let weight = |r: &Record| if r.hold_ms > 0.0 { r.total.max(1) as f64 } else { 0.0 };
+    let (wa, wb) = (weight(a), weight(b));
+    if wa + wb == 0.0 {
+        0.0
+    } else {
+        (a.hold_ms * wa + b.hold_ms * wb) / (wa + wb)
+    }
+}
+
+/// Adds `other` (one VM's records, evaluated at `now_ms`) into `sum`: counts add, prefill lanes
+/// add what is left of each, the hold time is the weighted mean.
+fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
+    let hold_ms = merged_hold(sum, other);
+    let left = sum.queue.at(now_ms, sum.outstanding_tokens) + other.queue.at(now_ms, other.outstanding_tokens);
+    sum.inflight = sum.inflight.saturating_add(other.inflight);
+    sum.total = sum.total.saturating_add(other.total);
+    sum.outstanding_tokens = sum.outstanding_tokens.saturating_add(other.outstanding_tokens);
+    sum.prefilled = sum.prefilled.saturating_add(other.prefilled);
+    sum.queue = PrefillQueue {
+        tokens: left,
+        at_ms: now_ms,
+        tokens_per_ms: sum.queue.tokens_per_ms.max(other.queue.tokens_per_ms),
+    };
+    sum.hold_ms = hold_ms;
+}
+
+#[derive(Debug, Default)]
+struct Synced {
+    /// This VM's dispatches, exact.
+    own: Vec<Record>,
+    /// Every other live VM's and the dead VMs' retired totals, as of `synced_ms`.
+    others: Vec<Record>,
+    /// `own` changed since it was last published.
+    dirty: bool,
+    synced_ms: Option<u64>,
+}
+
+/// This VM's side of the shared in-flight table. Worker records are indexed by the configured
+/// worker order, which every VM and the service share (one configuration).
+pub struct SharedInflight {
+    host: Arc<dyn Host>,
+    vm: u64,
+    index: hashbrown::HashMap<String, usize>,
+    workers: usize,
+    state: Mutex<Synced>,
+}
+
+impl SharedInflight {
+    /// `vm` names this VM's key; it must be unique per VM instance. The service, which dispatches
+    /// nothing, reads with its own id and never publishes.
+    pub fn new<'a>(host: Arc<dyn Host>, vm: u64, workers: impl IntoIterator<Item = &'a str>) -> Self {
+        let index: hashbrown::HashMap<String, usize> =
+            workers.into_iter().enumerate().map(|(i, id)| (id.to_string(), i)).collect();
+        let n = index.len();
+        let state = Synced { own: vec![Record::default(); n], others: vec![Record::default(); n], ..Synced::default() };
+        Self { host, vm, index, workers: n, state: Mutex::new(state) }
+    }
+
+    /// [`InflightTable::sync`] unless the last one was under [`SYNC_MS`] ago: for a reader that
+    /// has no tick of that period (the service).
+    pub fn sync_if_due(&self, now_ms: u64) {
+        let due = self.state.lock().map(|s| s.synced_ms.is_none_or(|t| now_ms.saturating_sub(t) >= SYNC_MS));
+        if due.unwrap_or(false) {
+            self.sync();
+        }
+    }
+
+    fn others(&self, now_ms: u64) -> Result<Vec<Record>, HostError> {
+        let mut sum = vec![Record::default(); self.workers];
+        for vm in vm_registry::alive(self.host.as_ref())? {
+            if vm == self.vm {
+                continue;
+            }
+            let Some(value) = self.host.shared_get(&keys::inflight_share(vm))? else { continue };
+            if let Some(records) = decode_records(&value.bytes, self.workers) {
+                for (s, r) in sum.iter_mut().zip(&records) {
+                    fold(s, r, now_ms);
+                }
+            }
+        }
+        if let Some(value) = self.host.shared_get(keys::INFLIGHT_RETIRED)? {
+            for (s, (total, prefilled)) in sum.iter_mut().zip(decode_retired(&value.bytes, self.workers)) {
+                s.total = s.total.saturating_add(total);
+                s.prefilled = s.prefilled.saturating_add(prefilled);
+            }
+        }
+        Ok(sum)
+    }
+
+    /// The service's sweep: folds the dispatch totals of VMs that died into the retired record
+    /// (so corrections by dispatches since a report do not jump back), drops their requests, and
+    /// empties their keys. Returns how many in-flight requests were dropped.
+    pub fn reclaim(&self, dead: &[u64]) -> Result<u64, HostError> {
+        let host = self.host.as_ref();
+        let mut retired = match host.shared_get(keys::INFLIGHT_RETIRED)? {
+            Some(v) => decode_retired(&v.bytes, self.workers),
+            None => vec![(0, 0); self.workers],
+        };
+        let mut dropped = 0u64;
+        let mut emptied = Vec::new();
+        for &vm in dead {
+            let key = keys::inflight_share(vm);
+            let Some(value) = host.shared_get(&key)? else { continue };
+            let Some(records) = decode_records(&value.bytes, self.workers) else { continue };
+            for (slot, r) in retired.iter_mut().zip(&records) {
+                slot.0 = slot.0.saturating_add(r.total);
+                slot.1 = slot.1.saturating_add(r.prefilled);
+                dropped = dropped.saturating_add(r.inflight);
+            }
+            emptied.push(key);
+        }
+        if emptied.is_empty() {
+            return Ok(0);
+        }
+        // The totals first: a reader between the two writes counts the dead VM's dispatches twice
+        // for one sync rather than not at all (it reads only live VMs' keys, and this VM is
+        // already out of the registry).
+        host.shared_set(keys::INFLIGHT_RETIRED, &encode_retired(&retired), None)?;
+        for key in emptied {
+            host.shared_set(&key, &SHARE_HEADER, None)?;
+        }
+        Ok(dropped)
+    }
+
+    fn with_own(&self, worker: &str, f: impl FnOnce(&mut Record)) {
+        let Some(&i) = self.index.get(worker) else {
+            log::warn!("in-flight count of unknown worker {worker} not kept");
+            return;
+        };
+        if let Ok(mut state) = self.state.lock() {
+            if let Some(r) = state.own.get_mut(i) {
+                f(r);
+                state.dirty = true;
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for SharedInflight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedInflight").field("vm", &self.vm).field("workers", &self.workers).finish()
+    }
+}
+
+impl InflightTable for SharedInflight {
+    fn local_load(&self, worker: &str) -> LocalLoad {
+        let Some(&i) = self.index.get(worker) else { return LocalLoad::default() };
+        let now = self.host.now_ms();
+        let Ok(state) = self.state.lock() else { return LocalLoad::default() };
+        let (own, others) = (state.own.get(i).copied().unwrap_or_default(), state.others.get(i).copied());
+        let mut sum = own;
+        if let Some(others) = others {
+            fold(&mut sum, &others, now);
+        }
+        sum.local_load(now)
+    }
+
+    fn acquire(&self, worker: &str, work: PrefillWork) {
+        let now = self.host.now_ms();
+        self.with_own(worker, |r| r.acquire(now, work));
+    }
+
+    fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
+        self.with_own(worker, |r| r.release(prefill_tokens, held_ms));
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.host.now_ms()
+    }
+
+    /// Publishes this VM's records if they changed, then reads every other live VM's.
+    fn sync(&self) {
+        let now = self.host.now_ms();
+        let publish = match self.state.lock() {
+            Ok(mut state) => {
+                state.synced_ms = Some(now);
+                std::mem::take(&mut state.dirty).then(|| encode_records(&state.own))
+            }
+            Err(_) => return,
+        };
+        if let Some(bytes) = publish {
+            if let Err(e) = self.host.shared_set(&keys::inflight_share(self.vm), &bytes, None) {
+                log::warn!("in-flight counts not published: {e}");
+                if let Ok(mut state) = self.state.lock() {
+                    state.dirty = true;
+                }
+            }
+        }
+        match self.others(now) {
+            Ok(others) => {
+                if let Ok(mut state) = self.state.lock() {
+                    state.others = others;
+                }
+            }
+            Err(e) => log::warn!("other VMs' in-flight counts not read: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::inflight::averaged;
+    use super::*;
+    use crate::host::MemoryHost;
+    use crate::testing::test;
+
+    const WORKERS: [&str; 2] = ["A", "B"];
+
+    fn vm(host: &Arc<MemoryHost>, id: u64) -> SharedInflight {
+        vm_registry::heartbeat(host.as_ref(), id, 0).unwrap();
+        SharedInflight::new(Arc::clone(host) as Arc<dyn Host>, id, WORKERS)
+    }
+
+    #[test]
+    fn a_vm_sees_its_own_dispatches_at_once_and_the_others_after_a_sync() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        vm1.acquire("A", PrefillWork::NONE);
+        vm2.acquire("A", PrefillWork::NONE);
+        assert_eq!((vm1.inflight("A"), vm2.inflight("A")), (1, 1), "no host call on the request path");
+        vm1.sync();
+        vm2.sync();
+        vm1.sync();
+        assert_eq!((vm1.inflight("A"), vm2.inflight("A")), (2, 2));
+        vm2.release("A", 0, 0);
+        vm1.release("A", 0, 0);
+        vm1.release("A", 0, 0);
+        for v in [&vm1, &vm2, &vm1] {
+            v.sync();
+        }
+        assert_eq!((vm2.inflight("A"), vm2.dispatched_total("A")), (0, 2));
+        assert_eq!(vm1.inflight("B"), 0);
+    }
+
+    #[test]
+    fn the_request_path_makes_no_host_call_and_an_idle_sync_writes_nothing() {
+        let host = Arc::new(MemoryHost::default());
+        let vm1 = vm(&host, 1);
+        vm1.sync();
+        let key = keys::inflight_share(1);
+        assert_eq!(host.shared_get(&key).unwrap(), None, "nothing dispatched: nothing published");
+        vm1.acquire("B", PrefillWork::NONE);
+        assert_eq!(host.shared_get(&key).unwrap(), None);
+        vm1.sync();
+        let published = decode_records(&host.shared_get(&key).unwrap().unwrap().bytes, 2).unwrap();
+        assert_eq!((published[0].inflight, published[1].inflight), (0, 1));
+    }
+
+    #[test]
+    fn a_dead_vms_requests_are_dropped_and_its_dispatches_still_count() {
+        let host = Arc::new(MemoryHost::default());
+        let (crashed, alive) = (vm(&host, 1), vm(&host, 2));
+        crashed.acquire("A", PrefillWork::NONE);
+        crashed.acquire("A", PrefillWork::NONE);
+        crashed.sync();
+        alive.acquire("A", PrefillWork::NONE);
+        alive.sync();
+        assert_eq!(alive.inflight("A"), 3);
+        vm_registry::heartbeat(host.as_ref(), 2, 20_000).unwrap();
+        assert_eq!(vm_registry::sweep(host.as_ref(), 20_000).unwrap(), vec![1]);
+        let service = SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS);
+        assert_eq!(service.reclaim(&[1]).unwrap(), 2);
+        alive.sync();
+        assert_eq!((alive.inflight("A"), alive.dispatched_total("A")), (1, 3));
+        alive.release("A", 0, 0);
+        alive.sync();
+        service.sync();
+        assert_eq!((service.inflight("A"), service.dispatched_total("A")), (0, 3));
+        assert_eq!(service.reclaim(&[1]).unwrap(), 0, "an emptied key gives nothing back twice");
+    }
+
+    #[test]
+    fn every_vms_prefill_lane_counts_and_a_dead_vms_tokens_leave_the_bound() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        let work = PrefillWork { tokens: 400, tokens_per_ms: 0.001 };
+        vm1.acquire("A", work);
+        vm2.acquire("A", work);
+        vm2.sync();
+        vm1.sync();
+        assert_eq!(vm1.local_load("A").pending_prefill_tokens, 800);
+        SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS).reclaim(&[2]).unwrap();
+        vm_registry::heartbeat(host.as_ref(), 1, 20_000).unwrap();
+        vm_registry::sweep(host.as_ref(), 20_000).unwrap();
+        vm1.sync();
+        assert_eq!(vm1.local_load("A").pending_prefill_tokens, 400, "the dead VM's request no longer counts");
+        vm1.release("A", 400, 0);
+        assert_eq!(vm1.local_load("A").pending_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn hold_times_are_averaged_over_every_vms_dispatches() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        for _ in 0..3 {
+            vm1.acquire("A", PrefillWork::NONE);
+            vm1.release("A", 0, 100);
+        }
+        vm2.acquire("A", PrefillWork::NONE);
+        vm2.release("A", 0, 400);
+        vm2.sync();
+        vm1.sync();
+        let own = (0..3).fold(0.0, |h, _| averaged(h, 100));
+        let expected = (own * 3.0 + 400.0) / 4.0;
+        let seen = vm1.local_load("A").hold_ms.unwrap();
+        assert!((seen - expected).abs() < 1e-9, "{seen} vs {expected}");
+    }
+
+    #[test]
+    fn an_unreadable_share_is_skipped() {
+        let host = Arc::new(MemoryHost::default());
+        let vm1 = vm(&host, 1);
+        vm(&host, 2);
+        host.shared_set(&keys::inflight_share(2), b"sglinf01 an older layout", None).unwrap();
+        vm1.acquire("A", PrefillWork::NONE);
+        vm1.sync();
+        assert_eq!(vm1.inflight("A"), 1);
+    }
+}
