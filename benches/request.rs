@@ -257,14 +257,19 @@ fn run(engines: usize, policy: &str, requests: u32) {
 fn main() {
     let target = if cfg!(target_arch = "wasm32") { "wasm32-wasip1 (Node)" } else { "native" };
     println!("one request through the core, {target}");
-    // `-- <policy> <engines>` runs one of them (for a profiler).
+    // `-- <policy> <engines> [requests]` runs one of them (for a profiler).
     let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let requests: Option<u32> = only.get(2).and_then(|n| n.parse().ok());
     for engines in [8, 512, 4096] {
         for policy in ["round_robin", "power_of_two", "cache_aware"] {
             if only.first().is_some_and(|p| p != policy) || only.get(1).is_some_and(|n| *n != engines.to_string()) {
                 continue;
             }
-            run(engines, policy, if engines > 64 { 20_000_000 / engines as u32 / 10 } else { 20_000 });
+            run(
+                engines,
+                policy,
+                requests.unwrap_or(if engines > 64 { 20_000_000 / engines as u32 / 10 } else { 20_000 }),
+            );
         }
     }
 }

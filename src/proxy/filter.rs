@@ -13,7 +13,7 @@ use std::time::Instant;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use super::host::{clear_route_cache, dispatch};
+use super::host::{clear_route_cache, dispatch, ClockScope};
 use super::stats::Stats;
 use crate::host::CalloutResponse;
 use crate::server::metrics;
@@ -40,6 +40,8 @@ pub struct Filter {
     body_size: usize,
     /// Session and routing-key headers, read while request headers may still be read.
     keys: HashMap<String, String>,
+    /// The client's request headers as they arrived, for a PD prefill callout.
+    request_headers: Vec<(String, Vec<u8>)>,
     pending: Option<(PendingChat, Instant)>,
     /// Callouts the pending selection waits on; empty means nothing can wake it.
     awaiting: Vec<u32>,
@@ -68,6 +70,7 @@ impl Filter {
             endpoint: None,
             body_size: 0,
             keys: HashMap::new(),
+            request_headers: Vec::new(),
             pending: None,
             awaiting: Vec::new(),
             exchange: None,
@@ -85,6 +88,11 @@ impl Filter {
         self.local_reply = true;
         headers.push(("content-type", "application/json"));
         self.send_http_response(u32::from(status), headers, Some(body));
+    }
+
+    /// Exchanges in-flight counts with the other VMs if the sync period has passed.
+    fn sync_inflight(&self) {
+        self.app.borrow().handles().inflight.sync_if_due();
     }
 
     fn carry_out(&self, effects: Effects) {
@@ -140,10 +148,13 @@ impl Filter {
             // send every request chunked, which cost 13 % of requests/s in the overhead bench.
             self.set_http_request_header("content-length", Some(&pd.body.len().to_string()));
             let routing = Arc::clone(self.app.borrow().headers());
-            (
-                Arc::clone(&pd.prefill),
-                pd.prefill_request(forwarded_headers(self.get_http_request_headers(), routing.stripped())),
-            )
+            // A header value that is not UTF-8 cannot be put on a callout; it is left out.
+            let client = self
+                .request_headers
+                .iter()
+                .filter_map(|(name, value)| Some((name.clone(), String::from_utf8(value.clone()).ok()?)))
+                .collect();
+            (Arc::clone(&pd.prefill), pd.prefill_request(forwarded_headers(client, routing.stripped())))
         });
         if let Some((worker, request)) = prefill {
             match dispatch(&request) {
@@ -172,6 +183,7 @@ impl Filter {
             }
         }
         self.exchange = Some(exchange);
+        self.sync_inflight();
         Action::Continue
     }
 
@@ -179,6 +191,7 @@ impl Filter {
         if let Some(prefill) = self.prefill.as_mut() {
             prefill.inflight = None;
         }
+        self.sync_inflight();
         let Some(exchange) = self.exchange.as_mut() else {
             return;
         };
@@ -195,6 +208,7 @@ impl Filter {
 
 impl Context for Filter {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let _clock = ClockScope::enter();
         let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok());
         if self.prefill.as_ref().is_some_and(|p| p.token == token) {
             self.on_prefill_done(status);
@@ -215,11 +229,20 @@ impl Context for Filter {
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         let headers = Arc::clone(self.app.borrow().headers());
-        for header in headers.stripped() {
-            self.set_http_request_header(header, None);
+        // The whole map in one host call: each header read alone is a copy into the VM of its own,
+        // and removing a header the client did not send is a host call for nothing.
+        self.request_headers = self.get_http_request_headers_bytes();
+        let (mut path, mut method) = (String::new(), String::new());
+        for (name, value) in &self.request_headers {
+            if headers.stripped().iter().any(|h| h.eq_ignore_ascii_case(name)) {
+                self.set_http_request_header(name, None);
+            }
+            match name.as_str() {
+                ":path" => path = String::from_utf8_lossy(value).into_owned(),
+                ":method" => method = String::from_utf8_lossy(value).into_owned(),
+                _ => {}
+            }
         }
-        let path = self.get_http_request_header(":path").unwrap_or_default();
-        let method = self.get_http_request_header(":method").unwrap_or_default();
         match route(&method, &path) {
             Route::ListModels => {
                 let body = list_models(self.app.borrow().config());
@@ -235,12 +258,12 @@ impl HttpContext for Filter {
                 Action::Pause
             }
             Route::Generation(endpoint) => {
-                let found: Vec<(String, String)> = headers
-                    .keys()
-                    .iter()
-                    .filter_map(|name| Some((name.clone(), self.get_http_request_header(name)?)))
-                    .collect();
-                self.keys.extend(found);
+                for (name, value) in &self.request_headers {
+                    if let Some(key) = headers.keys().iter().find(|k| k.eq_ignore_ascii_case(name)) {
+                        // The first of repeated values, as a single-header read gives.
+                        self.keys.entry(key.clone()).or_insert_with(|| String::from_utf8_lossy(value).into_owned());
+                    }
+                }
                 self.endpoint = Some(endpoint);
                 if end_of_stream {
                     return self.fail(&RouteError::invalid(format!("POST {} needs a JSON body", endpoint.path())));
@@ -262,6 +285,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let _clock = ClockScope::enter();
         let Some(endpoint) = self.endpoint else { return Action::Continue };
         if self.exchange.is_some() {
             return Action::Continue;
@@ -275,6 +299,8 @@ impl HttpContext for Filter {
             BodyStep::Ready => {}
         }
         self.body_size = body_size;
+        // The other VMs' counts as of at most one sync period ago.
+        self.sync_inflight();
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         let started = Instant::now();
         let keys = &self.keys;
@@ -289,6 +315,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        let _clock = ClockScope::enter();
         if self.local_reply {
             return Action::Continue;
         }
@@ -315,6 +342,7 @@ impl HttpContext for Filter {
     }
 
     fn on_log(&mut self) {
+        let _clock = ClockScope::enter();
         // However the stream ended: completed, failed, or the client went away.
         if let Some(mut exchange) = self.exchange.take() {
             let effects = exchange.on_end();
@@ -323,5 +351,6 @@ impl HttpContext for Filter {
         self.inflight = None;
         self.prefill = None;
         self.pending = None;
+        self.sync_inflight();
     }
 }

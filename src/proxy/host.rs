@@ -10,6 +10,37 @@ use crate::host::{CalloutRequest, Host, HostError, SharedValue};
 thread_local! {
     /// Resolved queue ids, once per VM.
     static QUEUES: std::cell::RefCell<std::collections::HashMap<String, u32>> = Default::default();
+    /// The clock as first read inside the current filter callback, while a [`ClockScope`] is open.
+    static CALLBACK_NOW_MS: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    static IN_CALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// One clock reading per filter callback: the core asks for the time several times while it
+/// handles one event (staleness, breakers, accounting), and each ask would be a host call for the
+/// same millisecond. Open at the top of a callback; the reading is dropped with the scope.
+pub struct ClockScope(());
+
+impl ClockScope {
+    pub fn enter() -> Self {
+        IN_CALLBACK.set(true);
+        CALLBACK_NOW_MS.set(None);
+        Self(())
+    }
+}
+
+impl Drop for ClockScope {
+    fn drop(&mut self) {
+        IN_CALLBACK.set(false);
+        CALLBACK_NOW_MS.set(None);
+    }
+}
+
+fn host_now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -33,11 +64,15 @@ impl Host for ProxyHost {
     }
 
     fn now_ms(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
+        if !IN_CALLBACK.get() {
+            return host_now_ms();
+        }
+        if let Some(now) = CALLBACK_NOW_MS.get() {
+            return now;
+        }
+        let now = host_now_ms();
+        CALLBACK_NOW_MS.set(Some(now));
+        now
     }
 
     fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {

@@ -17,7 +17,6 @@ use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
 use crate::server::factory::filter_handles;
 use crate::server::AppContext;
-use crate::state::load_monitor::SYNC_MS;
 use crate::state::vm_registry;
 use std::time::Duration;
 
@@ -33,8 +32,6 @@ pub struct Root {
     /// This VM's replica of the prefix index.
     prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
-    /// When this filter VM last heartbeated; it ticks every in-flight sync, more often.
-    heartbeat_ms: u64,
 }
 
 fn root_id() -> String {
@@ -57,10 +54,9 @@ impl Root {
     }
 
     /// Tells the service this VM is alive, so its in-flight shares are kept.
-    fn heartbeat(&mut self) {
+    fn heartbeat(&self) {
         if let Some(vm) = self.vm {
-            self.heartbeat_ms = ProxyHost.now_ms();
-            if let Err(e) = vm_registry::heartbeat(&ProxyHost, vm, self.heartbeat_ms) {
+            if let Err(e) = vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
                 log::warn!("heartbeat not written: {e}");
             }
         }
@@ -97,7 +93,7 @@ impl RootContext for Root {
                 self.prefixes = Some(prefixes);
                 self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));
                 self.heartbeat();
-                self.set_tick_period(Duration::from_millis(SYNC_MS));
+                self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
                 true
             }
             SERVICE_ROOT_ID => {
@@ -125,9 +121,9 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
-        let Some(app) = self.filter.clone() else { return };
-        app.borrow().handles().inflight.sync();
-        if ProxyHost.now_ms().saturating_sub(self.heartbeat_ms) >= vm_registry::HEARTBEAT_MS {
+        if let Some(app) = self.filter.clone() {
+            // What this VM did just before it went quiet reaches the others here at the latest.
+            app.borrow().handles().inflight.sync();
             self.heartbeat();
             self.export_replica();
             let unmonitored = app.borrow().unmonitored_workers() as u64;

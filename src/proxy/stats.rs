@@ -1,13 +1,14 @@
 //! Envoy stats from the filter and the service. Each metric is defined once per VM and its id
 //! kept; names come from the core (`server::metrics`).
 
+use hashbrown::HashMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
-/// Metric ids by kind and name, looked up by `&str` so a hit allocates nothing.
+/// Metric ids by kind and name, looked up by `&str` so a hit allocates nothing (and hashes with
+/// hashbrown's default hasher: several lookups per request).
 #[derive(Default)]
 pub struct Stats {
     counters: RefCell<HashMap<String, u32>>,

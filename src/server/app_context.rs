@@ -58,7 +58,12 @@ impl AppContext {
             .map(|c| CircuitBreakers::new(Arc::clone(&handles.host), factory::breaker_settings(c)));
         let workers = factory::workers(&config);
         let ids = workers.iter().map(|w| w.id.clone()).collect();
-        let availability = Arc::new(SharedAvailability::new(Arc::clone(&handles.host), breakers.clone(), ids));
+        let availability = Arc::new(SharedAvailability::new(
+            Arc::clone(&handles.host),
+            breakers.clone(),
+            ids,
+            handles.tables_recheck_ms,
+        ));
         let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
         let indexer = factory::indexer_client(&config, Arc::clone(&handles.callouts)).map(Arc::new);

@@ -24,7 +24,7 @@ use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
 use crate::state::kv_events::remote::IndexerClient;
 use crate::state::kv_events::{Budgets, PrefixReplica};
-use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView};
+use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView, SYNC_MS};
 
 /// The application's shared state, handed to every policy that needs part of it.
 #[derive(Debug, Clone)]
@@ -42,6 +42,8 @@ pub struct StateHandles {
     pub prefixes: Arc<dyn CacheSource>,
     /// The indexer's per-request answer, which `source: remote` policies read.
     pub remote_prefixes: Arc<dyn CacheSource>,
+    /// How often the request path looks for a new version of a published table (0: every read).
+    pub tables_recheck_ms: u64,
 }
 
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
@@ -59,13 +61,15 @@ pub fn filter_handles(
         config.tokens.bytes_per_token,
     ));
     let handles = StateHandles {
-        load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms)),
+        load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms).rechecked_every(SYNC_MS)),
         inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm, config.workers.iter().map(|w| w.id.as_str()))),
         random: Arc::new(SeededRandom::from_host(host.as_ref())),
         callouts,
         affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
         prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
         remote_prefixes: Arc::new(RemoteCacheSource),
+        // As often as in-flight counts are exchanged: tables are as fresh as the counts beside them.
+        tables_recheck_ms: SYNC_MS,
         host,
     };
     (handles, prefixes)

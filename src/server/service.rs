@@ -158,7 +158,7 @@ impl ServiceCore {
                 }
             }
             PollKind::Load(index) => {
-                self.inflight.sync_if_due(now);
+                self.inflight.sync_if_due();
                 let dispatches = self.workers.get(index).map(|w| self.inflight.dispatched_total(&w.id)).unwrap_or(0);
                 if let Err(e) = self.load.record(index, ok.then_some(body), now, dispatches) {
                     if let Some(w) = self.workers.get(index) {
@@ -256,7 +256,7 @@ impl ServiceCore {
     }
 
     fn gauges(&self, now: u64) -> Vec<(String, u64)> {
-        self.inflight.sync_if_due(now);
+        self.inflight.sync_if_due();
         let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
         let mut gauges = Vec::with_capacity(2 * self.workers.len() + 8);
         let mut fresh = 0;

@@ -31,9 +31,15 @@ struct HealthCopy {
 }
 
 impl SharedAvailability {
-    pub fn new(host: Arc<dyn Host>, breakers: Option<CircuitBreakers>, configured: Vec<String>) -> Self {
+    /// `recheck_ms`: see [`VersionedReader::rechecked_every`].
+    pub fn new(
+        host: Arc<dyn Host>,
+        breakers: Option<CircuitBreakers>,
+        configured: Vec<String>,
+        recheck_ms: u64,
+    ) -> Self {
         let health = HealthCopy {
-            reader: VersionedReader::new(keys::HEALTH_TABLE),
+            reader: VersionedReader::new(keys::HEALTH_TABLE).rechecked_every(recheck_ms),
             out: Arc::default(),
             unmonitored: Vec::new(),
         };
@@ -96,7 +102,7 @@ mod tests {
         let breakers =
             CircuitBreakers::new(Arc::clone(&host), BreakerSettings { failure_threshold: 1, cooldown_ms: 1000 });
         let availability =
-            SharedAvailability::new(Arc::clone(&host), Some(breakers.clone()), vec!["A".into(), "B".into()]);
+            SharedAvailability::new(Arc::clone(&host), Some(breakers.clone()), vec!["A".into(), "B".into()], 0);
         assert!(availability.unavailable().is_empty(), "nothing published yet: everyone is available");
         let table = HealthTable { unhealthy: vec!["A".into()], monitored: vec!["A".into(), "B".into()] };
         shared::publish(host.as_ref(), keys::HEALTH_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
@@ -109,7 +115,7 @@ mod tests {
     #[test]
     fn a_worker_the_service_does_not_monitor_is_unavailable() {
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
-        let availability = SharedAvailability::new(Arc::clone(&host), None, vec!["A".into(), "NEW".into()]);
+        let availability = SharedAvailability::new(Arc::clone(&host), None, vec!["A".into(), "NEW".into()], 0);
         let table = HealthTable { unhealthy: vec![], monitored: vec!["A".into()] };
         shared::publish(host.as_ref(), keys::HEALTH_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
         assert_eq!(availability.unavailable().iter().collect::<Vec<_>>(), ["NEW"]);

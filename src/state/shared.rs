@@ -33,6 +33,9 @@ pub struct VersionedReader<T> {
     version_key: String,
     seen: Option<u64>,
     value: Option<T>,
+    /// A reader on the request path looks at the version at most this often (0: every time).
+    recheck_ms: u64,
+    checked_ms: Option<u64>,
     _marker: PhantomData<T>,
 }
 
@@ -43,13 +46,35 @@ impl<T: DeserializeOwned> VersionedReader<T> {
             version_key: keys::version_of(table),
             seen: None,
             value: None,
+            recheck_ms: 0,
+            checked_ms: None,
             _marker: PhantomData,
         }
+    }
+
+    /// Looks at the version at most every `ms` once a table was read: a filter reads its tables
+    /// per request, and the version read is a host call that almost always finds nothing new.
+    pub fn rechecked_every(mut self, ms: u64) -> Self {
+        self.recheck_every(ms);
+        self
+    }
+
+    /// [`Self::rechecked_every`] on a reader already built.
+    pub fn recheck_every(&mut self, ms: u64) {
+        self.recheck_ms = ms;
     }
 
     /// Reads the version and decodes the table if it moved; returns whether it did. A table that
     /// fails to decode keeps the previous copy: a reader never acts on half-understood data.
     pub fn refresh(&mut self, host: &dyn Host) -> bool {
+        if self.recheck_ms > 0 {
+            let now = host.now_ms();
+            let recent = self.checked_ms.is_some_and(|t| now.saturating_sub(t) < self.recheck_ms);
+            if recent && self.value.is_some() {
+                return false;
+            }
+            self.checked_ms = Some(now);
+        }
         if let Ok(Some(version)) = read_u64(host, &self.version_key) {
             if self.seen != Some(version) {
                 if let Ok(Some(raw)) = host.shared_get(&self.table) {
@@ -148,6 +173,18 @@ mod tests {
         publish(&host, "t", b"[3]").unwrap();
         assert_eq!(reader.current(&host), Some(&vec![3]));
         assert_eq!(reader.version(), Some(2));
+    }
+
+    #[test]
+    fn a_rechecking_reader_looks_at_the_version_once_per_interval() {
+        let host = MemoryHost::default();
+        let mut reader: VersionedReader<Vec<u32>> = VersionedReader::new("t").rechecked_every(5);
+        publish(&host, "t", b"[1]").unwrap();
+        assert_eq!(reader.current(&host), Some(&vec![1]), "the first read is never held back");
+        publish(&host, "t", b"[2]").unwrap();
+        assert_eq!(reader.current(&host), Some(&vec![1]), "checked under 5 ms ago");
+        host.advance_ms(5);
+        assert_eq!(reader.current(&host), Some(&vec![2]));
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn now_ms(&self) -> u64;
     /// Exchanges this router's counts with the other VMs' (a table that is not shared: nothing).
     fn sync(&self) {}
+    /// [`Self::sync`] if the last one is older than the table's period: called on the request
+    /// path, so the exchange keeps pace with traffic and costs nothing while there is none.
+    fn sync_if_due(&self) {}
 
     fn inflight(&self, worker: &str) -> u64 {
         self.local_load(worker).inflight
@@ -257,4 +260,3 @@ mod tests {
         assert_eq!(table.local_load("A").pending_prefill_tokens, 0);
     }
 }
-

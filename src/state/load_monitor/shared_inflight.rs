@@ -5,8 +5,13 @@
 //! request path makes no shared-data call for accounting, and no key is ever written by two VMs,
 //! so nothing needs cas.
 //!
-//! The bound, stated: a VM sees its own dispatches at once and another VM's within two syncs
-//! ([`SYNC_MS`] each: the writer's and the reader's). A cap such as `max_inflight_requests` can be
+//! A VM syncs from its request path (as a request arrives, after it is dispatched, when it ends)
+//! at most every [`SYNC_MS`], and on its heartbeat tick: a tick into wasm costs Envoy ~0.1 ms of
+//! CPU even when it does nothing, so a fast tick would cost more than the exchange it carries. The
+//! bound, stated: a VM sees its own dispatches at once; a change of another VM's is published at
+//! that VM's next request event at least [`SYNC_MS`] after its last publication (at once when its
+//! requests are further apart), or by its next heartbeat (within a second) if it goes quiet; and
+//! read on this VM's next request at least [`SYNC_MS`] after its last read. A cap such as `max_inflight_requests` can be
 //! exceeded by at most what the other VMs dispatched in that window; with one worker thread the
 //! counts are exact. Each VM's prefill estimate drains as its own lane, so with several VMs the
 //! pending-prefill sum drains up to that many times faster than one lane would, and stays bounded
@@ -19,7 +24,7 @@ use crate::host::{Host, HostError};
 use crate::state::shared::decode_u64;
 use crate::state::{keys, vm_registry};
 
-/// How often a filter VM publishes its records and reads the others' (its tick).
+/// How often a busy filter VM publishes its records and reads the others'.
 pub const SYNC_MS: u64 = 5;
 
 /// Leads each VM's key: an empty value would read back as absent.
@@ -124,11 +129,16 @@ fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
 struct Synced {
     /// This VM's dispatches, exact.
     own: Vec<Record>,
-    /// Every other live VM's and the dead VMs' retired totals, as of `synced_ms`.
+    /// Every other live VM's and the dead VMs' retired totals, as of `read_ms`.
     others: Vec<Record>,
     /// `own` changed since it was last published.
     dirty: bool,
-    synced_ms: Option<u64>,
+    published_ms: Option<u64>,
+    read_ms: Option<u64>,
+}
+
+fn due(last: Option<u64>, now_ms: u64) -> bool {
+    last.is_none_or(|t| now_ms.saturating_sub(t) >= SYNC_MS)
 }
 
 /// This VM's side of the shared in-flight table. Worker records are indexed by the configured
@@ -150,15 +160,6 @@ impl SharedInflight {
         let n = index.len();
         let state = Synced { own: vec![Record::default(); n], others: vec![Record::default(); n], ..Synced::default() };
         Self { host, vm, index, workers: n, state: Mutex::new(state) }
-    }
-
-    /// [`InflightTable::sync`] unless the last one was under [`SYNC_MS`] ago: for a reader that
-    /// has no tick of that period (the service).
-    pub fn sync_if_due(&self, now_ms: u64) {
-        let due = self.state.lock().map(|s| s.synced_ms.is_none_or(|t| now_ms.saturating_sub(t) >= SYNC_MS));
-        if due.unwrap_or(false) {
-            self.sync();
-        }
     }
 
     fn others(&self, now_ms: u64) -> Result<Vec<Record>, HostError> {
@@ -218,6 +219,35 @@ impl SharedInflight {
         Ok(dropped)
     }
 
+    fn publish(&self, now_ms: u64) {
+        let bytes = match self.state.lock() {
+            Ok(mut state) if state.dirty => {
+                state.dirty = false;
+                state.published_ms = Some(now_ms);
+                encode_records(&state.own)
+            }
+            _ => return,
+        };
+        if let Err(e) = self.host.shared_set(&keys::inflight_share(self.vm), &bytes, None) {
+            log::warn!("in-flight counts not published: {e}");
+            if let Ok(mut state) = self.state.lock() {
+                state.dirty = true;
+            }
+        }
+    }
+
+    fn read(&self, now_ms: u64) {
+        match self.others(now_ms) {
+            Ok(others) => {
+                if let Ok(mut state) = self.state.lock() {
+                    state.others = others;
+                    state.read_ms = Some(now_ms);
+                }
+            }
+            Err(e) => log::warn!("other VMs' in-flight counts not read: {e}"),
+        }
+    }
+
     fn with_own(&self, worker: &str, f: impl FnOnce(&mut Record)) {
         let Some(&i) = self.index.get(worker) else {
             log::warn!("in-flight count of unknown worker {worker} not kept");
@@ -264,32 +294,25 @@ impl InflightTable for SharedInflight {
         self.host.now_ms()
     }
 
+    fn sync_if_due(&self) {
+        let now = self.host.now_ms();
+        let Ok((publish, read)) = self.state.lock().map(|s| (s.dirty && due(s.published_ms, now), due(s.read_ms, now)))
+        else {
+            return;
+        };
+        if publish {
+            self.publish(now);
+        }
+        if read {
+            self.read(now);
+        }
+    }
+
     /// Publishes this VM's records if they changed, then reads every other live VM's.
     fn sync(&self) {
         let now = self.host.now_ms();
-        let publish = match self.state.lock() {
-            Ok(mut state) => {
-                state.synced_ms = Some(now);
-                std::mem::take(&mut state.dirty).then(|| encode_records(&state.own))
-            }
-            Err(_) => return,
-        };
-        if let Some(bytes) = publish {
-            if let Err(e) = self.host.shared_set(&keys::inflight_share(self.vm), &bytes, None) {
-                log::warn!("in-flight counts not published: {e}");
-                if let Ok(mut state) = self.state.lock() {
-                    state.dirty = true;
-                }
-            }
-        }
-        match self.others(now) {
-            Ok(others) => {
-                if let Ok(mut state) = self.state.lock() {
-                    state.others = others;
-                }
-            }
-            Err(e) => log::warn!("other VMs' in-flight counts not read: {e}"),
-        }
+        self.publish(now);
+        self.read(now);
     }
 }
 
@@ -340,6 +363,26 @@ mod tests {
         vm1.sync();
         let published = decode_records(&host.shared_get(&key).unwrap().unwrap().bytes, 2).unwrap();
         assert_eq!((published[0].inflight, published[1].inflight), (0, 1));
+    }
+
+    #[test]
+    fn a_dispatch_is_published_at_once_unless_one_was_published_within_the_period() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        vm1.sync_if_due();
+        vm1.acquire("A", PrefillWork::NONE);
+        vm1.sync_if_due();
+        vm2.sync_if_due();
+        assert_eq!(vm2.inflight("A"), 1, "the read on arrival did not hold back the publication after dispatch");
+        vm1.acquire("A", PrefillWork::NONE);
+        vm1.sync_if_due();
+        host.advance_ms(SYNC_MS);
+        vm2.sync_if_due();
+        assert_eq!(vm2.inflight("A"), 1, "a second change within the period waits");
+        vm1.sync_if_due();
+        host.advance_ms(SYNC_MS);
+        vm2.sync_if_due();
+        assert_eq!(vm2.inflight("A"), 2);
     }
 
     #[test]

@@ -37,6 +37,16 @@ impl SharedLoadView {
     }
 }
 
+impl SharedLoadView {
+    /// See [`VersionedReader::rechecked_every`].
+    pub fn rechecked_every(mut self, ms: u64) -> Self {
+        if let Ok(cached) = self.cached.get_mut() {
+            cached.reader.recheck_every(ms);
+        }
+        self
+    }
+}
+
 impl std::fmt::Debug for SharedLoadView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SharedLoadView").field("stale_after_ms", &self.stale_after_ms).finish()
