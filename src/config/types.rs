@@ -619,7 +619,10 @@ pub(crate) mod defaults {
     pub fn min_load_choices() -> usize {
         2
     }
+    /// Sized for a sidecar: 2M tokens of distinct prefix per model covers the KV caches of a few
+    /// engines (a 70–80 GB engine holds a few hundred thousand tokens), and each copy of the tree
+    /// (the service's, one per Envoy worker thread, the main thread's) costs ~55 MiB at this size.
     pub fn max_tree_tokens() -> u64 {
-        1 << 24
+        1 << 21
     }
 }
