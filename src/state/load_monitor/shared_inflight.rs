@@ -209,9 +209,9 @@ impl SharedInflight {
         if emptied.is_empty() {
             return Ok(0);
         }
-        // The totals first: a reader between the two writes counts the dead VM's dispatches twice
-        // for one sync rather than not at all (it reads only live VMs' keys, and this VM is
-        // already out of the registry).
+        // The dead VMs are already out of the registry, so no reader reads their keys: until the
+        // totals below land, a reader misses their dispatches for one sync. Emptying the keys
+        // keeps a second reclaim from counting them again.
         host.shared_set(keys::INFLIGHT_RETIRED, &encode_retired(&retired), None)?;
         for key in emptied {
             host.shared_set(&key, &SHARE_HEADER, None)?;
