@@ -121,7 +121,7 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
-        if let Some(app) = self.filter.clone() {
+        if let Some(app) = &self.filter {
             // What this VM did just before it went quiet reaches the others here at the latest.
             app.borrow().handles().inflight.sync();
             self.heartbeat();

@@ -61,7 +61,7 @@ pub fn filter_handles(
         config.tokens.bytes_per_token,
     ));
     let handles = StateHandles {
-        load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms).rechecked_every(SYNC_MS)),
+        load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms, SYNC_MS)),
         inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm, config.workers.iter().map(|w| w.id.as_str()))),
         random: Arc::new(SeededRandom::from_host(host.as_ref())),
         callouts,

@@ -379,7 +379,7 @@ mod tests {
         host.set_now_ms(5);
         core.on_poll_answer(PollKind::Load(0), Some(200), report, 5);
         core.on_poll_answer(PollKind::Load(1), Some(500), report, 5);
-        let view = SharedLoadView::new(host.clone(), 1000);
+        let view = SharedLoadView::new(host.clone(), 1000, 0);
         let snapshot = view.snapshot();
         assert_eq!(snapshot.get("A").and_then(|l| l.running), Some(3));
         assert!(snapshot.get("B").is_none(), "a 500 answer is not a report");

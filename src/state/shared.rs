@@ -55,13 +55,8 @@ impl<T: DeserializeOwned> VersionedReader<T> {
     /// Looks at the version at most every `ms` once a table was read: a filter reads its tables
     /// per request, and the version read is a host call that almost always finds nothing new.
     pub fn rechecked_every(mut self, ms: u64) -> Self {
-        self.recheck_every(ms);
-        self
-    }
-
-    /// [`Self::rechecked_every`] on a reader already built.
-    pub fn recheck_every(&mut self, ms: u64) {
         self.recheck_ms = ms;
+        self
     }
 
     /// Reads the version and decodes the table if it moved; returns whether it did. A table that

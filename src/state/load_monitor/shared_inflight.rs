@@ -147,7 +147,6 @@ pub struct SharedInflight {
     host: Arc<dyn Host>,
     vm: u64,
     index: hashbrown::HashMap<String, usize>,
-    workers: usize,
     state: Mutex<Synced>,
 }
 
@@ -159,24 +158,28 @@ impl SharedInflight {
             workers.into_iter().enumerate().map(|(i, id)| (id.to_string(), i)).collect();
         let n = index.len();
         let state = Synced { own: vec![Record::default(); n], others: vec![Record::default(); n], ..Synced::default() };
-        Self { host, vm, index, workers: n, state: Mutex::new(state) }
+        Self { host, vm, index, state: Mutex::new(state) }
+    }
+
+    fn workers(&self) -> usize {
+        self.index.len()
     }
 
     fn others(&self, now_ms: u64) -> Result<Vec<Record>, HostError> {
-        let mut sum = vec![Record::default(); self.workers];
+        let mut sum = vec![Record::default(); self.workers()];
         for vm in vm_registry::alive(self.host.as_ref())? {
             if vm == self.vm {
                 continue;
             }
             let Some(value) = self.host.shared_get(&keys::inflight_share(vm))? else { continue };
-            if let Some(records) = decode_records(&value.bytes, self.workers) {
+            if let Some(records) = decode_records(&value.bytes, self.workers()) {
                 for (s, r) in sum.iter_mut().zip(&records) {
                     fold(s, r, now_ms);
                 }
             }
         }
         if let Some(value) = self.host.shared_get(keys::INFLIGHT_RETIRED)? {
-            for (s, (total, prefilled)) in sum.iter_mut().zip(decode_retired(&value.bytes, self.workers)) {
+            for (s, (total, prefilled)) in sum.iter_mut().zip(decode_retired(&value.bytes, self.workers())) {
                 s.total = s.total.saturating_add(total);
                 s.prefilled = s.prefilled.saturating_add(prefilled);
             }
@@ -190,15 +193,15 @@ impl SharedInflight {
     pub fn reclaim(&self, dead: &[u64]) -> Result<u64, HostError> {
         let host = self.host.as_ref();
         let mut retired = match host.shared_get(keys::INFLIGHT_RETIRED)? {
-            Some(v) => decode_retired(&v.bytes, self.workers),
-            None => vec![(0, 0); self.workers],
+            Some(v) => decode_retired(&v.bytes, self.workers()),
+            None => vec![(0, 0); self.workers()],
         };
         let mut dropped = 0u64;
         let mut emptied = Vec::new();
         for &vm in dead {
             let key = keys::inflight_share(vm);
             let Some(value) = host.shared_get(&key)? else { continue };
-            let Some(records) = decode_records(&value.bytes, self.workers) else { continue };
+            let Some(records) = decode_records(&value.bytes, self.workers()) else { continue };
             for (slot, r) in retired.iter_mut().zip(&records) {
                 slot.0 = slot.0.saturating_add(r.total);
                 slot.1 = slot.1.saturating_add(r.prefilled);
@@ -264,7 +267,7 @@ impl SharedInflight {
 
 impl std::fmt::Debug for SharedInflight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedInflight").field("vm", &self.vm).field("workers", &self.workers).finish()
+        f.debug_struct("SharedInflight").field("vm", &self.vm).field("workers", &self.workers()).finish()
     }
 }
 

@@ -23,27 +23,18 @@ pub struct SharedLoadView {
 }
 
 impl SharedLoadView {
-    pub fn new(host: Arc<dyn Host>, stale_after_ms: u64) -> Self {
+    /// `recheck_ms`: see [`VersionedReader::rechecked_every`].
+    pub fn new(host: Arc<dyn Host>, stale_after_ms: u64, recheck_ms: u64) -> Self {
         Self {
             host,
             stale_after_ms,
             cached: Mutex::new(Cached {
-                reader: VersionedReader::new(keys::LOAD_TABLE),
+                reader: VersionedReader::new(keys::LOAD_TABLE).rechecked_every(recheck_ms),
                 version: None,
                 snapshot: Arc::default(),
                 valid_until_ms: 0,
             }),
         }
-    }
-}
-
-impl SharedLoadView {
-    /// See [`VersionedReader::rechecked_every`].
-    pub fn rechecked_every(mut self, ms: u64) -> Self {
-        if let Ok(cached) = self.cached.get_mut() {
-            cached.reader.recheck_every(ms);
-        }
-        self
     }
 }
 
@@ -86,7 +77,7 @@ mod tests {
     #[test]
     fn reads_the_published_table_and_lets_reports_go_stale() {
         let host = Arc::new(MemoryHost::default());
-        let view = SharedLoadView::new(host.clone(), 1000);
+        let view = SharedLoadView::new(host.clone(), 1000, 0);
         assert!(view.snapshot().get("A").is_none());
         let mut table = LoadTable::default();
         let report = RankReport { running: Some(3), waiting: Some(1), ..RankReport::default() };
