@@ -16,7 +16,7 @@ use proptest::test_runner::{Config, FileFailurePersistence};
 use serde_json::{json, Map, Value};
 use sgl_envoy_router::config;
 use sgl_envoy_router::server::routes::chat::prepare_chat;
-use sgl_envoy_router::state::kv_events::{apply, PrefixEvent, RadixTree};
+use sgl_envoy_router::state::kv_events::{apply, wire, PrefixEvent, RadixTree};
 use sgl_envoy_router::state::load_monitor::{parse_get_load, parse_prometheus, parse_v1_loads};
 
 fn config() -> Config {
@@ -224,13 +224,15 @@ fn prefix_event() -> impl Strategy<Value = Vec<u8>> {
     let text = prop_oneof![".{0,64}", "(ab){0,40}", Just("x".repeat(5000))];
     let event = (0..4u8, "[ab]", "[AB]", text, prop::sample::select(vec!["gpu", "cpu", "disk", "tape"])).prop_map(
         |(kind, model, worker, text, tier)| match kind {
-            0 => json!({"event": "stored", "model": model, "worker": worker, "text": text, "tier": tier}),
-            1 => json!({"event": "removed", "model": model, "worker": worker, "text": text}),
-            2 => json!({"event": "all_cleared", "worker": worker}),
-            _ => json!({"event": text}),
+            0 => json!({"stored": [model, worker, text, tier]}),
+            1 => json!({"removed": {"model": model, "worker": worker, "text": text}}),
+            2 => json!({"all_cleared": [worker]}),
+            _ => json!({ text: [] }),
         },
     );
-    prop_oneof![4 => event.prop_map(|e| e.to_string().into_bytes()), 1 => bytes()]
+    // The queue's wire form (MessagePack); a struct may come as an array or a map.
+    let encoded = event.prop_map(|e| rmp_serde::to_vec(&e).unwrap_or_default());
+    prop_oneof![4 => encoded, 1 => bytes()]
 }
 
 proptest! {
@@ -280,7 +282,7 @@ proptest! {
         let budget = 4096;
         let mut trees: BTreeMap<String, RadixTree> = BTreeMap::new();
         for (seq, raw) in events.iter().enumerate() {
-            if let Ok(event) = serde_json::from_slice::<PrefixEvent>(raw) {
+            if let Ok(event) = wire::decode::<PrefixEvent>(raw) {
                 apply(&mut trees, &event, seq as u64, &|_| budget);
             }
         }
@@ -306,5 +308,9 @@ fn the_generators_reach_past_the_first_check() {
         .filter(|_| config::from_value(router_config().new_tree(&mut runner).unwrap().current()).is_ok())
         .count();
     assert!(configs > 5, "only {configs} of 200 generated configurations validate");
+    let events = (0..200)
+        .filter(|_| wire::decode::<PrefixEvent>(&prefix_event().new_tree(&mut runner).unwrap().current()).is_ok())
+        .count();
+    assert!(events > 50, "only {events} of 200 generated prefix events decode");
     let _ = Map::<String, Value>::new();
 }

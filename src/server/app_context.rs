@@ -19,6 +19,7 @@ use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
 use crate::state::keys;
 use crate::state::kv_events::remote::IndexerClient;
+use crate::state::kv_events::wire;
 use crate::state::load_monitor::{InflightGuard, PrefillWork};
 
 pub struct AppContext {
@@ -130,9 +131,7 @@ impl AppContext {
             }
         }
         if let Some(event) = &effects.prefix_event {
-            let sent = serde_json::to_vec(event)
-                .map_err(|e| e.to_string())
-                .and_then(|bytes| self.handles.host.enqueue(keys::PREFIX_QUEUE, &bytes).map_err(|e| e.to_string()));
+            let sent = wire::encode(event).and_then(|bytes| self.handles.host.enqueue(keys::PREFIX_QUEUE, &bytes));
             if let Err(e) = sent {
                 log::warn!("prefix event not sent to the service: {e}");
             }

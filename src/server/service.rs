@@ -14,7 +14,7 @@ use crate::host::{CalloutRequest, Host};
 use crate::registry::Worker;
 use crate::state::affinity_store::{AffinityStore, BindingKind};
 use crate::state::health::HealthMonitor;
-use crate::state::kv_events::{PrefixEvent, PrefixLog};
+use crate::state::kv_events::{wire, PrefixEvent, PrefixLog};
 use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
 use crate::state::{keys, shared, vm_registry};
 
@@ -188,7 +188,7 @@ impl ServiceCore {
     pub fn on_prefix_messages(&mut self, messages: impl IntoIterator<Item = Vec<u8>>) {
         let events: Vec<PrefixEvent> = messages
             .into_iter()
-            .filter_map(|m| match serde_json::from_slice::<PrefixEvent>(&m) {
+            .filter_map(|m| match wire::decode::<PrefixEvent>(&m) {
                 Ok(e) => Some(e),
                 Err(e) => {
                     log::warn!("prefix event not understood: {e}");
@@ -340,7 +340,7 @@ mod tests {
     #[test]
     fn failed_checks_flip_health_publish_it_and_clear_the_workers_prefixes() {
         let (host, mut core) = service();
-        core.on_prefix_messages([serde_json::to_vec(&PrefixEvent::Stored {
+        core.on_prefix_messages([wire::encode(&PrefixEvent::Stored {
             model: "m".into(),
             worker: "A".into(),
             text: "hello world".into(),

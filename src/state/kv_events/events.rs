@@ -15,7 +15,7 @@ pub enum Tier {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum PrefixEvent {
     Stored { model: String, worker: String, text: String, tier: Tier },
     Removed { model: String, worker: String, text: String },

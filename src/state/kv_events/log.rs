@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::events::{apply, PrefixEvent};
 use super::radix::RadixTree;
+use super::wire;
 use crate::host::{Host, HostError};
 use crate::state::keys::{self, PREFIX_HEAD as HEAD, PREFIX_SNAPSHOT as SNAPSHOT};
 use crate::state::shared::read_u64;
@@ -27,11 +28,17 @@ struct Batch {
     events: Vec<PrefixEvent>,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 struct Snapshot {
     next_batch: u64,
-    next_seq: u64,
     trees: BTreeMap<String, RadixTree>,
+}
+
+/// The snapshot as written: the trees borrowed, not cloned (they are the service's whole index).
+#[derive(Serialize)]
+struct SnapshotOf<'a> {
+    next_batch: u64,
+    trees: &'a BTreeMap<String, RadixTree>,
 }
 
 /// Per-model tree budgets in bytes; the same on the service and every replica.
@@ -84,7 +91,7 @@ impl PrefixLog {
             self.next_seq += 1;
         }
         let batch = Batch { batch: self.next_batch, first_seq, events };
-        let bytes = serde_json::to_vec(&batch).map_err(|e| HostError::Failed(e.to_string()))?;
+        let bytes = wire::encode(&batch)?;
         host.shared_set(&slot_key(self.next_batch), &bytes, None)?;
         self.next_batch += 1;
         host.shared_set(HEAD, &self.next_batch.to_le_bytes(), None)?;
@@ -95,8 +102,8 @@ impl PrefixLog {
     }
 
     fn write_snapshot(&self, host: &dyn Host) -> Result<(), HostError> {
-        let snapshot = Snapshot { next_batch: self.next_batch, next_seq: self.next_seq, trees: self.trees.clone() };
-        let bytes = serde_json::to_vec(&snapshot).map_err(|e| HostError::Failed(e.to_string()))?;
+        let snapshot = SnapshotOf { next_batch: self.next_batch, trees: &self.trees };
+        let bytes = wire::encode(&snapshot)?;
         host.shared_set(SNAPSHOT, &bytes, None)
     }
 }
@@ -141,7 +148,7 @@ impl PrefixReplica {
         }
         while self.next_batch < head {
             let raw = host.shared_get(&slot_key(self.next_batch))?;
-            let batch: Option<Batch> = raw.and_then(|v| serde_json::from_slice(&v.bytes).ok());
+            let batch: Option<Batch> = raw.and_then(|v| wire::decode(&v.bytes).ok());
             match batch {
                 Some(b) if b.batch == self.next_batch => {
                     for (i, event) in b.events.iter().enumerate() {
@@ -164,7 +171,7 @@ impl PrefixReplica {
 
     fn resync(&mut self, host: &dyn Host) -> Result<(), HostError> {
         let snapshot: Snapshot = match host.shared_get(SNAPSHOT)? {
-            Some(v) => serde_json::from_slice(&v.bytes).map_err(|e| HostError::Failed(e.to_string()))?,
+            Some(v) => wire::decode(&v.bytes)?,
             None => Snapshot::default(),
         };
         self.trees = snapshot.trees;
@@ -242,6 +249,24 @@ mod tests {
         let mut late = PrefixReplica::new(budgets());
         late.refresh(&host).unwrap();
         assert_eq!(late.trees(), log.trees());
+    }
+
+    #[test]
+    fn the_snapshot_is_close_to_the_trees_byte_size() {
+        let host = MemoryHost::default();
+        let mut log = PrefixLog::new(Budgets([("m".to_string(), 1 << 20)].into_iter().collect()));
+        for i in 0..LOG_SLOTS / 4 {
+            let text = format!("{i} {}", "distinct prompt text ".repeat(50));
+            log.append(
+                &host,
+                vec![PrefixEvent::Stored { model: "m".into(), worker: "A".into(), text, tier: Tier::Gpu }],
+            )
+            .unwrap();
+        }
+        let tree = log.trees()["m"].size_bytes();
+        let snapshot = host.shared_get(SNAPSHOT).unwrap().unwrap().bytes.len() as u64;
+        // Edges as binary plus a few dozen bytes per node; JSON was ~3.8 times the tree.
+        assert!(snapshot < tree + tree / 10, "snapshot {snapshot} bytes for a tree of {tree}");
     }
 
     #[test]

@@ -8,6 +8,7 @@ mod events;
 mod log;
 mod radix;
 pub mod remote;
+pub mod wire;
 
 pub use events::{apply, PrefixEvent, Tier};
 pub use log::{Budgets, PrefixLog, PrefixReplica, LOG_SLOTS};

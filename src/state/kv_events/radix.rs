@@ -13,6 +13,7 @@ const ROOT: u32 = 0;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Node {
+    #[serde(with = "serde_bytes")]
     edge: Vec<u8>,
     parent: u32,
     children: BTreeMap<u8, u32>,
@@ -396,7 +397,8 @@ mod tests {
         };
         let (a, b) = (build(), build());
         assert_eq!(a, b);
-        let mut decoded: RadixTree = serde_json::from_slice(&serde_json::to_vec(&a).unwrap()).unwrap();
+        let mut decoded: RadixTree =
+            crate::state::kv_events::wire::decode(&crate::state::kv_events::wire::encode(&a).unwrap()).unwrap();
         decoded.rebuild_index();
         assert_eq!(decoded, a);
         let (mut x, mut y) = (a.clone(), decoded);
