@@ -281,10 +281,11 @@ proptest! {
     fn prefix_events_never_panic_and_the_trees_stay_within_budget(events in prop::collection::vec(prefix_event(), 1..24)) {
         let budget = 4096;
         let mut trees: BTreeMap<String, RadixTree> = BTreeMap::new();
-        for (seq, raw) in events.iter().enumerate() {
-            if let Ok(event) = wire::decode::<PrefixEvent>(raw) {
-                apply(&mut trees, &event, seq as u64, &|_| budget);
-            }
+        // A queue message is a VM's held events back to back, as the service reads it.
+        let message = events.concat();
+        let (Ok(decoded) | Err((decoded, _))) = wire::decode_each::<PrefixEvent>(&message);
+        for (seq, event) in decoded.iter().enumerate() {
+            apply(&mut trees, event, seq as u64, &|_| budget);
         }
         for tree in trees.values() {
             prop_assert!(tree.size_bytes() <= budget, "{} > {budget}", tree.size_bytes());

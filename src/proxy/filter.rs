@@ -90,9 +90,9 @@ impl Filter {
         self.send_http_response(u32::from(status), headers, Some(body));
     }
 
-    /// Exchanges in-flight counts with the other VMs if the sync period has passed.
-    fn sync_inflight(&self) {
-        self.app.borrow().handles().inflight.sync_if_due();
+    /// Exchanges in-flight counts and prefix events with the other VMs if due.
+    fn sync_shared(&self) {
+        self.app.borrow().sync_shared();
     }
 
     fn carry_out(&self, effects: Effects) {
@@ -183,7 +183,7 @@ impl Filter {
             }
         }
         self.exchange = Some(exchange);
-        self.sync_inflight();
+        self.sync_shared();
         Action::Continue
     }
 
@@ -191,7 +191,7 @@ impl Filter {
         if let Some(prefill) = self.prefill.as_mut() {
             prefill.inflight = None;
         }
-        self.sync_inflight();
+        self.sync_shared();
         let Some(exchange) = self.exchange.as_mut() else {
             return;
         };
@@ -300,7 +300,7 @@ impl HttpContext for Filter {
         }
         self.body_size = body_size;
         // The other VMs' counts as of at most one sync period ago.
-        self.sync_inflight();
+        self.sync_shared();
         let body = self.get_http_request_body(0, body_size).unwrap_or_default();
         let started = Instant::now();
         let keys = &self.keys;
@@ -351,6 +351,6 @@ impl HttpContext for Filter {
         self.inflight = None;
         self.prefill = None;
         self.pending = None;
-        self.sync_inflight();
+        self.sync_shared();
     }
 }

@@ -17,9 +17,7 @@ use crate::policies::pressure::prefill_rate;
 use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
-use crate::state::keys;
 use crate::state::kv_events::remote::IndexerClient;
-use crate::state::kv_events::wire;
 use crate::state::load_monitor::{InflightGuard, PrefillWork};
 
 pub struct AppContext {
@@ -119,7 +117,7 @@ impl AppContext {
     }
 
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results
-    /// and abandoned probes to the breaker, the prefix event to the service. Returns the counters
+    /// and abandoned probes to the breaker, the prefix event to the outbox. Returns the counters
     /// for the glue to bump.
     pub fn carry_out(&self, effects: Effects) -> Vec<String> {
         if let Some(b) = &self.breakers {
@@ -131,12 +129,22 @@ impl AppContext {
             }
         }
         if let Some(event) = &effects.prefix_event {
-            let sent = wire::encode(event).and_then(|bytes| self.handles.host.enqueue(keys::PREFIX_QUEUE, &bytes));
-            if let Err(e) = sent {
-                log::warn!("prefix event not sent to the service: {e}");
-            }
+            self.handles.outbox.push(event);
         }
         effects.counters
+    }
+
+    /// Exchanges with the other VMs what is due on the request path: in-flight counts and the
+    /// prefix events held for the service. A VM with nothing in flight sends at once.
+    pub fn sync_shared(&self) {
+        self.handles.inflight.sync_if_due();
+        self.handles.outbox.send_if_due(self.handles.inflight.idle());
+    }
+
+    /// Exchanges everything now (the heartbeat): what a VM did just before it went quiet.
+    pub fn sync_shared_now(&self) {
+        self.handles.inflight.sync();
+        self.handles.outbox.send();
     }
 
     /// Prepares a buffered body of a generation endpoint and starts its bucket loop. `header`

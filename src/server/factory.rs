@@ -23,7 +23,7 @@ use crate::state::affinity_store::AffinityStore;
 use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
 use crate::state::kv_events::remote::IndexerClient;
-use crate::state::kv_events::{Budgets, PrefixReplica};
+use crate::state::kv_events::{Budgets, PrefixOutbox, PrefixReplica};
 use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView, SYNC_MS};
 
 /// The application's shared state, handed to every policy that needs part of it.
@@ -44,6 +44,8 @@ pub struct StateHandles {
     pub remote_prefixes: Arc<dyn CacheSource>,
     /// How often the request path looks for a new version of a published table (0: every read).
     pub tables_recheck_ms: u64,
+    /// This VM's prefix events, held for the service.
+    pub outbox: Arc<PrefixOutbox>,
 }
 
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
@@ -70,6 +72,7 @@ pub fn filter_handles(
         remote_prefixes: Arc::new(RemoteCacheSource),
         // As often as in-flight counts are exchanged: tables are as fresh as the counts beside them.
         tables_recheck_ms: SYNC_MS,
+        outbox: Arc::new(PrefixOutbox::new(Arc::clone(&host), SYNC_MS)),
         host,
     };
     (handles, prefixes)

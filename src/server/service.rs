@@ -184,18 +184,19 @@ impl ServiceCore {
         self.publish_health();
     }
 
-    /// The prefix events the filters queued, appended to the log as one batch.
+    /// The prefix events the filters queued (each message a VM's held events), appended to the
+    /// log as one batch.
     pub fn on_prefix_messages(&mut self, messages: impl IntoIterator<Item = Vec<u8>>) {
-        let events: Vec<PrefixEvent> = messages
-            .into_iter()
-            .filter_map(|m| match wire::decode::<PrefixEvent>(&m) {
-                Ok(e) => Some(e),
-                Err(e) => {
-                    log::warn!("prefix event not understood: {e}");
-                    None
+        let mut events: Vec<PrefixEvent> = Vec::new();
+        for message in messages {
+            match wire::decode_each::<PrefixEvent>(&message) {
+                Ok(decoded) => events.extend(decoded),
+                Err((decoded, e)) => {
+                    log::warn!("prefix events not understood after {} of them: {e}", decoded.len());
+                    events.extend(decoded);
                 }
-            })
-            .collect();
+            }
+        }
         if let Err(e) = self.prefixes.append(self.host.as_ref(), events) {
             log::warn!("prefix events not logged: {e}");
         }

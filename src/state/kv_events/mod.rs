@@ -6,10 +6,12 @@
 
 mod events;
 mod log;
+mod outbox;
 mod radix;
 pub mod remote;
 pub mod wire;
 
 pub use events::{apply, PrefixEvent, Tier};
 pub use log::{Budgets, PrefixLog, PrefixReplica, LOG_SLOTS};
+pub use outbox::PrefixOutbox;
 pub use radix::{PrefixMatch, RadixTree};

@@ -60,6 +60,8 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     /// [`Self::sync`] if the last one is older than the table's period: called on the request
     /// path, so the exchange keeps pace with traffic and costs nothing while there is none.
     fn sync_if_due(&self) {}
+    /// No dispatch of this router is in flight.
+    fn idle(&self) -> bool;
 
     fn inflight(&self, worker: &str) -> u64 {
         self.local_load(worker).inflight
@@ -199,6 +201,10 @@ impl InflightTable for MemoryInflight {
 
     fn now_ms(&self) -> u64 {
         self.now_ms.load(Ordering::SeqCst)
+    }
+
+    fn idle(&self) -> bool {
+        self.records.lock().is_ok_and(|c| c.values().all(|r| r.inflight == 0))
     }
 }
 

@@ -10,8 +10,8 @@
 //! CPU even when it does nothing, so a fast tick would cost more than the exchange it carries. The
 //! bound, stated: a VM sees its own dispatches at once; a change of another VM's is published at
 //! that VM's next request event at least [`SYNC_MS`] after its last publication (at once when its
-//! requests are further apart), or by its next heartbeat (within a second) if it goes quiet; and
-//! read on this VM's next request at least [`SYNC_MS`] after its last read. A cap such as `max_inflight_requests` can be
+//! requests are further apart, and when its last request in flight ends), or by its next heartbeat
+//! (within a second); and read on this VM's next request at least [`SYNC_MS`] after its last read. A cap such as `max_inflight_requests` can be
 //! exceeded by at most what the other VMs dispatched in that window; with one worker thread the
 //! counts are exact. Each VM's prefill estimate drains as its own lane, so with several VMs the
 //! pending-prefill sum drains up to that many times faster than one lane would, and stays bounded
@@ -133,6 +133,8 @@ struct Synced {
     others: Vec<Record>,
     /// `own` changed since it was last published.
     dirty: bool,
+    /// This VM's dispatches still in flight, over every worker.
+    active: u64,
     published_ms: Option<u64>,
     read_ms: Option<u64>,
 }
@@ -258,7 +260,10 @@ impl SharedInflight {
         };
         if let Ok(mut state) = self.state.lock() {
             if let Some(r) = state.own.get_mut(i) {
+                let before = r.inflight;
                 f(r);
+                let after = r.inflight;
+                state.active = state.active.saturating_add(after).saturating_sub(before);
                 state.dirty = true;
             }
         }
@@ -297,9 +302,15 @@ impl InflightTable for SharedInflight {
         self.host.now_ms()
     }
 
+    fn idle(&self) -> bool {
+        self.state.lock().is_ok_and(|s| s.active == 0)
+    }
+
     fn sync_if_due(&self) {
         let now = self.host.now_ms();
-        let Ok((publish, read)) = self.state.lock().map(|s| (s.dirty && due(s.published_ms, now), due(s.read_ms, now)))
+        // A VM whose last request ended publishes at once: nothing may follow to carry it.
+        let Ok((publish, read)) =
+            self.state.lock().map(|s| (s.dirty && (s.active == 0 || due(s.published_ms, now)), due(s.read_ms, now)))
         else {
             return;
         };
@@ -386,6 +397,26 @@ mod tests {
         host.advance_ms(SYNC_MS);
         vm2.sync_if_due();
         assert_eq!(vm2.inflight("A"), 2);
+    }
+
+    #[test]
+    fn a_vm_whose_last_request_ended_publishes_at_once() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        vm1.acquire("A", PrefillWork::NONE);
+        vm1.acquire("B", PrefillWork::NONE);
+        vm1.sync_if_due();
+        vm1.release("A", 0, 0);
+        vm1.sync_if_due();
+        assert!(!vm1.idle());
+        vm2.sync();
+        assert_eq!((vm2.inflight("A"), vm2.inflight("B")), (1, 1), "one still in flight: the period holds");
+        vm1.release("B", 0, 0);
+        vm1.release("B", 0, 0);
+        assert!(vm1.idle(), "a release below zero does not count");
+        vm1.sync_if_due();
+        vm2.sync();
+        assert_eq!((vm2.inflight("A"), vm2.inflight("B")), (0, 0), "idle: published within the period");
     }
 
     #[test]
