@@ -11,13 +11,59 @@ use super::events::Tier;
 
 const ROOT: u32 = 0;
 
+/// A node's few children or owners as a sorted vector: a `BTreeMap` allocates a node of eleven
+/// slots for one entry, and a tree has a map of each per node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+struct VecMap<K, V>(Vec<(K, V)>);
+
+impl<K: Ord + Copy, V: Copy> VecMap<K, V> {
+    fn new() -> Self {
+        Self(Vec::new())
+    }
+
+    fn get(&self, key: &K) -> Option<&V> {
+        self.0.binary_search_by(|(k, _)| k.cmp(key)).ok().map(|i| &self.0[i].1)
+    }
+
+    fn insert(&mut self, key: K, value: V) {
+        match self.0.binary_search_by(|(k, _)| k.cmp(&key)) {
+            Ok(i) => self.0[i].1 = value,
+            Err(i) => self.0.insert(i, (key, value)),
+        }
+    }
+
+    fn remove(&mut self, key: &K) {
+        if let Ok(i) = self.0.binary_search_by(|(k, _)| k.cmp(key)) {
+            self.0.remove(i);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &V> {
+        self.0.iter().map(|(_, v)| v)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+
+    /// Empties the map and gives its memory back.
+    fn clear(&mut self) {
+        self.0 = Vec::new();
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Node {
     #[serde(with = "serde_bytes")]
     edge: Vec<u8>,
     parent: u32,
-    children: BTreeMap<u8, u32>,
-    owners: BTreeMap<u16, Tier>,
+    children: VecMap<u8, u32>,
+    owners: VecMap<u16, Tier>,
     /// The event sequence of the last insert through this node.
     last_seq: u64,
     /// Bytes from the root to the end of this node's edge.
@@ -27,7 +73,7 @@ struct Node {
 
 impl Node {
     fn new(edge: Vec<u8>, parent: u32, depth: u64, last_seq: u64) -> Self {
-        Self { edge, parent, children: BTreeMap::new(), owners: BTreeMap::new(), last_seq, depth, live: true }
+        Self { edge, parent, children: VecMap::new(), owners: VecMap::new(), last_seq, depth, live: true }
     }
 }
 
@@ -218,6 +264,8 @@ impl RadixTree {
         self.size_bytes -= len;
         let n = self.node_mut(id);
         n.live = false;
+        // A freed slot keeps nothing: its edge counted against the budget until now.
+        n.edge = Vec::new();
         n.children.clear();
         n.owners.clear();
         self.free.push(id);
@@ -288,7 +336,7 @@ impl RadixTree {
             let n = self.node(child);
             let common = common_prefix(&n.edge, &text[pos..]);
             let reached = self.node(cur).depth + common as u64;
-            for (w, tier) in &n.owners {
+            for (w, tier) in n.owners.iter() {
                 best.insert(*w, (reached, *tier));
             }
             pos += common;
