@@ -25,11 +25,13 @@ impl LeastLoadPolicy {
         let mut ranked: Vec<(u64, u64, &Arc<Worker>)> = engines
             .iter()
             .map(|w| {
-                let local = inflight.inflight(&w.id);
+                // One read of the in-memory table per engine: in-flight and the dispatch total together.
+                let counts = inflight.local_load(&w.id);
+                let local = counts.inflight;
                 let load = match snapshot.get(&w.id) {
                     Some(report) => match (report.running, report.waiting) {
                         (Some(r), Some(q)) => {
-                            let since = inflight.dispatched_total(&w.id).saturating_sub(report.dispatches_at_report);
+                            let since = counts.dispatched_total.saturating_sub(report.dispatches_at_report);
                             r.saturating_add(q).saturating_add(since)
                         }
                         _ => local,
