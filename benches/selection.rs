@@ -122,7 +122,7 @@ fn main() {
     for count in [4usize, 32] {
         let buckets: Vec<Bucket> = (0..count)
             .map(|i| Bucket {
-                id: format!("b{i:02}"),
+                id: format!("b{i:02}").into(),
                 rank: (i % 3) as i64,
                 min_input: 0,
                 max_input: Some(1024 << (i % 8)),

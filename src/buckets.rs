@@ -153,7 +153,7 @@ pub struct StageError {
 /// A length range and context capacity with its groups; it owns the complete plain or PD pick.
 #[derive(Debug)]
 pub struct Bucket {
-    pub id: String,
+    pub id: Arc<str>,
     pub rank: i64,
     /// Inclusive input-token range.
     pub min_input: u64,
@@ -279,7 +279,7 @@ mod tests {
 
     fn bucket(id: &str, rank: i64, min: u64, max: Option<u64>, ctx: Option<u64>) -> Bucket {
         Bucket {
-            id: id.to_string(),
+            id: id.into(),
             rank,
             min_input: min,
             max_input: max,
@@ -289,7 +289,7 @@ mod tests {
     }
 
     fn ids(buckets: &[Arc<Bucket>]) -> Vec<&str> {
-        buckets.iter().map(|b| b.id.as_str()).collect()
+        buckets.iter().map(|b| &*b.id).collect()
     }
 
     fn request(stage: Role) -> PickRequest<'static> {
@@ -406,8 +406,8 @@ mod tests {
             let peak = extra.map(|e| input + e);
             let resolved = resolver.resolve(input, peak).unwrap();
             // Exactly the fitting buckets…
-            let expected: HashSet<&str> = resolver.buckets().iter().filter(|b| b.fits(input, peak)).map(|b| b.id.as_str()).collect();
-            prop_assert_eq!(resolved.iter().map(|b| b.id.as_str()).collect::<HashSet<_>>(), expected);
+            let expected: HashSet<&str> = resolver.buckets().iter().filter(|b| b.fits(input, peak)).map(|b| &*b.id).collect();
+            prop_assert_eq!(resolved.iter().map(|b| &*b.id).collect::<HashSet<_>>(), expected);
             // …in capacity, rank, id order.
             for pair in resolved.windows(2) {
                 let key = |b: &Bucket| (b.capacity().map_or((1, 0), |c| (0, c)), b.rank, b.id.clone());
@@ -473,7 +473,7 @@ mod tests {
 
     fn pd_bucket(id: &str, prefill: Arc<Scripted>, decode: Arc<Scripted>) -> Bucket {
         Bucket {
-            id: id.to_string(),
+            id: id.into(),
             rank: 0,
             min_input: 0,
             max_input: None,

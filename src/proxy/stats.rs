@@ -7,57 +7,58 @@ use std::cell::RefCell;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
-/// Metric ids by kind and name, looked up by `&str` so a hit allocates nothing (and hashes with
-/// hashbrown's default hasher: several lookups per request).
+use crate::server::metrics::Counter;
+
+/// Metric ids: counters by their [`Counter`], so a request's counters are found without building
+/// a name; gauges and histograms by name, looked up by `&str`. A hit allocates nothing.
 #[derive(Default)]
 pub struct Stats {
-    counters: RefCell<HashMap<String, u32>>,
+    counters: RefCell<HashMap<Counter, u32>>,
     gauges: RefCell<HashMap<String, u32>>,
     histograms: RefCell<HashMap<String, u32>>,
 }
 
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    hostcalls::define_metric(kind, name).map_err(|status| log::debug!("metric {name} not defined: {status:?}")).ok()
+}
+
+fn named(ids: &RefCell<HashMap<String, u32>>, kind: MetricType, name: &str) -> Option<u32> {
+    if let Some(id) = ids.borrow().get(name) {
+        return Some(*id);
+    }
+    let id = define(kind, name)?;
+    ids.borrow_mut().insert(name.to_string(), id);
+    Some(id)
+}
+
 impl Stats {
-    fn id(&self, kind: MetricType, name: &str) -> Option<u32> {
-        let ids = match kind {
-            MetricType::Counter => &self.counters,
-            MetricType::Gauge => &self.gauges,
-            _ => &self.histograms,
+    pub fn count(&self, counter: &Counter) {
+        let known = self.counters.borrow().get(counter).copied();
+        let id = match known {
+            Some(id) => id,
+            None => {
+                let Some(id) = define(MetricType::Counter, &counter.name()) else { return };
+                self.counters.borrow_mut().insert(counter.clone(), id);
+                id
+            }
         };
-        if let Some(id) = ids.borrow().get(name) {
-            return Some(*id);
-        }
-        match hostcalls::define_metric(kind, name) {
-            Ok(id) => {
-                ids.borrow_mut().insert(name.to_string(), id);
-                Some(id)
-            }
-            Err(status) => {
-                log::debug!("metric {name} not defined: {status:?}");
-                None
-            }
-        }
+        let _ = hostcalls::increment_metric(id, 1);
     }
 
-    pub fn count(&self, name: &str) {
-        if let Some(id) = self.id(MetricType::Counter, name) {
-            let _ = hostcalls::increment_metric(id, 1);
-        }
-    }
-
-    pub fn count_all(&self, names: &[String]) {
-        for name in names {
-            self.count(name);
+    pub fn count_all(&self, counters: &[Counter]) {
+        for counter in counters {
+            self.count(counter);
         }
     }
 
     pub fn histogram(&self, name: &str, value: u64) {
-        if let Some(id) = self.id(MetricType::Histogram, name) {
+        if let Some(id) = named(&self.histograms, MetricType::Histogram, name) {
             let _ = hostcalls::record_metric(id, value);
         }
     }
 
     pub fn gauge(&self, name: &str, value: u64) {
-        if let Some(id) = self.id(MetricType::Gauge, name) {
+        if let Some(id) = named(&self.gauges, MetricType::Gauge, name) {
             let _ = hostcalls::record_metric(id, value);
         }
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use super::headers::ProtectedHeaders;
+use super::metrics::Counter;
 use super::routes::chat::bucket_loop::IndexerLookup;
 use super::routes::chat::{self, Effects, Endpoint, PendingChat, Prepared};
 use super::upstream::UpstreamHeader;
@@ -119,7 +120,7 @@ impl AppContext {
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results
     /// and abandoned probes to the breaker, the prefix event to the outbox. Returns the counters
     /// for the glue to bump.
-    pub fn carry_out(&self, effects: Effects) -> Vec<String> {
+    pub fn carry_out(&self, effects: Effects) -> Vec<Counter> {
         if let Some(b) = &self.breakers {
             for (worker, answer) in &effects.results {
                 b.record(worker, answer.engine_ok());

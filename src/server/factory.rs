@@ -153,7 +153,7 @@ pub fn build_resolvers(config: &RouterConfig, handles: &StateHandles) -> Resolve
                     },
                 };
                 Bucket {
-                    id: b.id.clone(),
+                    id: Arc::from(b.id.as_str()),
                     rank: b.rank,
                     min_input: b.limits.min,
                     max_input: b.limits.max,

@@ -16,7 +16,7 @@ use crate::state::kv_events::remote::IndexerAnswer;
 /// The complete selection and the attempts that failed before it (for stats).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selection {
-    pub bucket_id: String,
+    pub bucket_id: Arc<str>,
     pub pick: BucketPick,
     pub skipped: Vec<SkippedBucket>,
     /// The input length the buckets were resolved with (exact when the indexer counted it).
@@ -26,7 +26,7 @@ pub struct Selection {
 /// A bucket that could not supply its selection and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SkippedBucket {
-    pub bucket_id: String,
+    pub bucket_id: Arc<str>,
     pub stage: Role,
     pub error: PickError,
 }
@@ -171,7 +171,7 @@ mod tests {
 
     fn plain_bucket(id: &str, capacity: u64, policy: Arc<Scripted>) -> Bucket {
         Bucket {
-            id: id.to_string(),
+            id: id.into(),
             rank: 0,
             min_input: 0,
             max_input: Some(capacity),
@@ -182,7 +182,7 @@ mod tests {
 
     fn pd_bucket(id: &str, capacity: u64, prefill: (&str, Arc<Scripted>), decode: (&str, Arc<Scripted>)) -> Bucket {
         Bucket {
-            id: id.to_string(),
+            id: id.into(),
             rank: 0,
             min_input: 0,
             max_input: Some(capacity),
@@ -224,7 +224,7 @@ mod tests {
             request(10, None),
         )
         .unwrap();
-        assert_eq!(s.bucket_id, "small");
+        assert_eq!(&*s.bucket_id, "small");
         assert!(s.skipped.is_empty());
     }
 
@@ -239,7 +239,7 @@ mod tests {
             request(10, None),
         )
         .unwrap();
-        assert_eq!(s.bucket_id, "big");
+        assert_eq!(&*s.bucket_id, "big");
         assert_eq!(s.skipped.len(), 1);
     }
 
@@ -255,7 +255,7 @@ mod tests {
                 request(10, None),
             )
             .unwrap();
-            assert_eq!(s.bucket_id, "big");
+            assert_eq!(&*s.bucket_id, "big");
         }
     }
 
@@ -367,7 +367,7 @@ mod tests {
         )
         .unwrap();
         let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
-        assert_eq!((s.bucket_id.as_str(), prefill.worker.id.as_str(), decode.worker.id.as_str()), ("long", "P2", "D2"));
+        assert_eq!((&*s.bucket_id, prefill.worker.id.as_str(), decode.worker.id.as_str()), ("long", "P2", "D2"));
     }
 
     #[derive(Debug, Clone, Copy)]
@@ -405,7 +405,7 @@ mod tests {
             match (run(buckets, live(workers), request(10, None)), winner) {
                 (Ok(s), Some(k)) => {
                     let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
-                    prop_assert_eq!(s.bucket_id, format!("b{k}"));
+                    prop_assert_eq!(s.bucket_id.to_string(), format!("b{k}"));
                     prop_assert_eq!(prefill.worker.id.clone(), format!("P{k}"));
                     prop_assert_eq!(decode.worker.id.clone(), format!("D{k}"));
                     prop_assert_eq!(s.skipped.len(), k);
@@ -499,7 +499,7 @@ mod tests {
         let req = request(50, Some(70));
         let memo = Arc::clone(&req.prefix_memo);
         let s = now(select(Arc::new(BucketResolver::new(buckets())), plain_live(), req, lookup)).unwrap();
-        assert_eq!(s.bucket_id, "long");
+        assert_eq!(&*s.bucket_id, "long");
         assert_eq!(memo.indexer_verdict(), Some(("hit", Some("9".to_string()))));
         assert_eq!(memo.get(&source).as_deref(), Some(&CacheLookup::Matches(vec![hit])));
 
@@ -508,7 +508,7 @@ mod tests {
         let req = request(50, Some(70));
         let memo = Arc::clone(&req.prefix_memo);
         let s = now(select(Arc::new(BucketResolver::new(buckets())), plain_live(), req, lookup)).unwrap();
-        assert_eq!(s.bucket_id, "short");
+        assert_eq!(&*s.bucket_id, "short");
         assert_eq!(memo.indexer_verdict(), Some(("unavailable", None)));
         assert!(matches!(memo.get(&source).as_deref(), Some(CacheLookup::Unavailable(_))));
     }

@@ -12,8 +12,9 @@ use crate::host::CalloutRequest;
 use crate::policies::cache_aware::PrefixMemo;
 use crate::policies::{BoxFuture, RandomSource};
 use crate::registry::Worker;
+use crate::server::metrics::{self, Counter};
 use crate::server::upstream::UpstreamHeader;
-use crate::server::{metrics, ErrorKind, RouteError};
+use crate::server::{ErrorKind, RouteError};
 use crate::state::kv_events::remote::IndexerClient;
 use crate::state::kv_events::{PrefixEvent, Tier};
 
@@ -43,7 +44,7 @@ impl Target {
 /// Where the filter sends a request, and what it tells the client about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
-    pub bucket_id: String,
+    pub bucket_id: Arc<str>,
     pub target: Target,
     /// The upstream header and its value (cluster name or `host:port`, by `upstream.mode`).
     pub upstream_header: (String, String),
@@ -66,7 +67,7 @@ impl Decision {
         if let Some(vm) = vm {
             headers.push(("x-sgl-vm", vm.to_string()));
         }
-        headers.push(("x-sgl-bucket", self.bucket_id.clone()));
+        headers.push(("x-sgl-bucket", self.bucket_id.to_string()));
         headers.push(("x-sgl-worker", self.target.upstream().id.clone()));
         if let Target::Pd { prefill, .. } = &self.target {
             headers.push(("x-sgl-prefill-worker", prefill.id.clone()));
@@ -79,7 +80,7 @@ impl Decision {
 #[derive(Debug)]
 pub struct ChatOutcome {
     pub result: Result<Decision, RouteError>,
-    pub counters: Vec<String>,
+    pub counters: Vec<Counter>,
 }
 
 /// A selection in progress. Local policies finish on the first poll; a pending one is polled
@@ -109,7 +110,7 @@ impl PendingChat {
             return Poll::Pending;
         }
         let verdict = self.memo.indexer_verdict();
-        let lookup_counter = verdict.as_ref().map(|(v, _)| metrics::prefix_lookup(v));
+        let lookup_counter = verdict.as_ref().map(|(v, _)| Counter::PrefixLookup(v));
         let selection = match polled {
             Poll::Pending => {
                 let error =

@@ -5,7 +5,7 @@
 
 use super::pd::{Flow, PdExchange, PrefillDone};
 use super::Decision;
-use crate::server::metrics;
+use crate::server::metrics::Counter;
 use crate::server::upstream::UpstreamAnswer;
 use crate::state::kv_events::PrefixEvent;
 
@@ -19,7 +19,7 @@ pub struct Effects {
     /// The prompt's prefix, recorded now that its engine did the prefill work.
     pub prefix_event: Option<PrefixEvent>,
     /// Counters to bump, the request's one outcome among them.
-    pub counters: Vec<String>,
+    pub counters: Vec<Counter>,
 }
 
 #[derive(Debug)]
@@ -57,9 +57,9 @@ impl ChatExchange {
         }
     }
 
-    fn outcome(&mut self, name: &str, effects: &mut Effects) {
+    fn outcome(&mut self, name: &'static str, effects: &mut Effects) {
         if std::mem::take(&mut self.outcome_pending) {
-            effects.counters.push(metrics::outcome(name));
+            effects.counters.push(Counter::Outcome(name));
         }
     }
 
@@ -189,13 +189,13 @@ mod tests {
         let (done, effects) = x.on_prefill_done(Some(200));
         assert_eq!(done, PrefillDone::Resume);
         assert_eq!(effects.prefix_event, Some(event("P")));
-        assert_eq!(effects.counters, [metrics::outcome("routed")]);
+        assert_eq!(effects.counters, [Counter::Outcome("routed")]);
 
         let mut y = pd();
         let (done, effects) = y.on_prefill_done(Some(500));
         assert!(matches!(done, PrefillDone::Fail(ref e) if e.kind == ErrorKind::PrefillFailed));
         assert_eq!(effects.prefix_event, None);
-        assert_eq!(effects.counters, [metrics::outcome("PrefillFailed")], "one outcome, not routed as well");
+        assert_eq!(effects.counters, [Counter::Outcome("PrefillFailed")], "one outcome, not routed as well");
         assert!(y.on_end().counters.is_empty(), "and never a second one");
     }
 
@@ -203,7 +203,7 @@ mod tests {
     fn a_decode_failing_first_is_routed_once() {
         let mut x = pd();
         let (flow, effects) = x.on_upstream_headers(Some(503));
-        assert_eq!((flow, effects.counters.clone()), (Flow::Pass, vec![metrics::outcome("routed")]));
+        assert_eq!((flow, effects.counters.clone()), (Flow::Pass, vec![Counter::Outcome("routed")]));
         let (done, effects) = x.on_prefill_done(Some(200));
         assert_eq!(done, PrefillDone::Nothing);
         assert!(effects.counters.is_empty());
@@ -215,7 +215,7 @@ mod tests {
         x.on_upstream_headers(Some(200));
         let effects = x.on_end();
         assert_eq!(effects.abandoned, ["P"], "the prefill never answered; the decode did");
-        assert_eq!(effects.counters, [metrics::outcome("routed")], "the client left before the prefill answered");
+        assert_eq!(effects.counters, [Counter::Outcome("routed")], "the client left before the prefill answered");
         let mut y = plain();
         assert_eq!(y.on_end().abandoned, ["A"], "the client left before response headers");
     }
