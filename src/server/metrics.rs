@@ -92,22 +92,22 @@ fn rejection_counters<'a>(skipped: impl IntoIterator<Item = &'a SkippedBucket>) 
 /// Counters for a completed selection. A plain request's outcome is known now; a PD request's
 /// only when its prefill answered (the exchange counts it).
 pub fn selected(selection: &Selection) -> Vec<Counter> {
+    // Why each engine was chosen: a cache hit, a confirmed miss and an unavailable index stay apart.
+    fn picked(counters: &mut Vec<Counter>, stage: Role, p: &Pick) {
+        counters.push(Counter::Pick(stage, Arc::clone(&p.worker)));
+        counters.push(Counter::PickReason(stage, p.reason));
+    }
     let mut counters = Vec::with_capacity(6);
     counters.push(Counter::BucketSelected(Arc::clone(&selection.bucket_id)));
-    let mut stage = |stage: Role, p: &Pick| {
-        counters.push(Counter::Pick(stage, Arc::clone(&p.worker)));
-        // Why each engine was chosen: a cache hit, a confirmed miss and an unavailable index stay apart.
-        counters.push(Counter::PickReason(stage, p.reason));
-    };
     match &selection.pick {
-        BucketPick::Plain(p) => stage(Role::Plain, p),
-        BucketPick::Pd { prefill, decode } => {
-            stage(Role::Prefill, prefill);
-            stage(Role::Decode, decode);
+        BucketPick::Plain(p) => {
+            picked(&mut counters, Role::Plain, p);
+            counters.push(Counter::Outcome("routed"));
         }
-    }
-    if matches!(selection.pick, BucketPick::Plain(_)) {
-        counters.push(Counter::Outcome("routed"));
+        BucketPick::Pd { prefill, decode } => {
+            picked(&mut counters, Role::Prefill, prefill);
+            picked(&mut counters, Role::Decode, decode);
+        }
     }
     counters.extend(rejection_counters(&selection.skipped));
     counters

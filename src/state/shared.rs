@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use serde::de::DeserializeOwned;
 
 use super::keys;
+use super::schedule::Period;
 use crate::host::{Host, HostError};
 
 /// How often a cas update is retried before giving up; contention is between a handful of VMs.
@@ -34,8 +35,7 @@ pub struct VersionedReader<T> {
     seen: Option<u64>,
     value: Option<T>,
     /// A reader on the request path looks at the version at most this often (0: every time).
-    recheck_ms: u64,
-    checked_ms: Option<u64>,
+    recheck: Period,
     _marker: PhantomData<T>,
 }
 
@@ -46,8 +46,7 @@ impl<T: DeserializeOwned> VersionedReader<T> {
             version_key: keys::version_of(table),
             seen: None,
             value: None,
-            recheck_ms: 0,
-            checked_ms: None,
+            recheck: Period::every(0),
             _marker: PhantomData,
         }
     }
@@ -55,20 +54,19 @@ impl<T: DeserializeOwned> VersionedReader<T> {
     /// Looks at the version at most every `ms` once a table was read: a filter reads its tables
     /// per request, and the version read is a host call that almost always finds nothing new.
     pub fn rechecked_every(mut self, ms: u64) -> Self {
-        self.recheck_ms = ms;
+        self.recheck = Period::every(ms);
         self
     }
 
     /// Reads the version and decodes the table if it moved; returns whether it did. A table that
     /// fails to decode keeps the previous copy: a reader never acts on half-understood data.
     pub fn refresh(&mut self, host: &dyn Host) -> bool {
-        if self.recheck_ms > 0 {
+        if self.recheck.ms() > 0 {
             let now = host.now_ms();
-            let recent = self.checked_ms.is_some_and(|t| now.saturating_sub(t) < self.recheck_ms);
-            if recent && self.value.is_some() {
+            if !self.recheck.elapsed(now) && self.value.is_some() {
                 return false;
             }
-            self.checked_ms = Some(now);
+            self.recheck.done(now);
         }
         if let Ok(Some(version)) = read_u64(host, &self.version_key) {
             if self.seen != Some(version) {

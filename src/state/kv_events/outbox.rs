@@ -12,23 +12,23 @@ use super::events::PrefixEvent;
 use super::wire;
 use crate::host::Host;
 use crate::state::keys;
+use crate::state::schedule::Period;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Held {
     /// Encoded events, back to back: one queue message.
     bytes: Vec<u8>,
-    sent_ms: Option<u64>,
+    sent: Period,
 }
 
 pub struct PrefixOutbox {
     host: Arc<dyn Host>,
-    period_ms: u64,
     held: Mutex<Held>,
 }
 
 impl PrefixOutbox {
     pub fn new(host: Arc<dyn Host>, period_ms: u64) -> Self {
-        Self { host, period_ms, held: Mutex::new(Held::default()) }
+        Self { host, held: Mutex::new(Held { bytes: Vec::new(), sent: Period::every(period_ms) }) }
     }
 
     pub fn push(&self, event: &PrefixEvent) {
@@ -42,24 +42,23 @@ impl PrefixOutbox {
 
     /// Sends what is held if a period passed since the last message, or at once when `idle`.
     pub fn send_if_due(&self, idle: bool) {
-        let now = self.host.now_ms();
-        let due = self.held.lock().is_ok_and(|held| {
-            !held.bytes.is_empty() && (idle || held.sent_ms.is_none_or(|t| now.saturating_sub(t) >= self.period_ms))
-        });
-        if due {
-            self.send();
-        }
+        self.send_when(|held, now| idle || held.sent.elapsed(now));
     }
 
     /// Sends what is held.
     pub fn send(&self) {
-        let Ok(mut held) = self.held.lock() else { return };
-        if held.bytes.is_empty() {
-            return;
-        }
-        held.sent_ms = Some(self.host.now_ms());
-        let bytes = std::mem::take(&mut held.bytes);
-        drop(held);
+        self.send_when(|_, _| true);
+    }
+
+    fn send_when(&self, due: impl FnOnce(&Held, u64) -> bool) {
+        let now = self.host.now_ms();
+        let bytes = match self.held.lock() {
+            Ok(mut held) if !held.bytes.is_empty() && due(&held, now) => {
+                held.sent.done(now);
+                std::mem::take(&mut held.bytes)
+            }
+            _ => return,
+        };
         // A queue that is not there yet (the service not started) loses these events; the index
         // is a hint, and the next requests record their prefixes again.
         if let Err(e) = self.host.enqueue(keys::PREFIX_QUEUE, &bytes) {
@@ -70,7 +69,7 @@ impl PrefixOutbox {
 
 impl std::fmt::Debug for PrefixOutbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefixOutbox").field("period_ms", &self.period_ms).finish()
+        f.debug_struct("PrefixOutbox").finish_non_exhaustive()
     }
 }
 

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
 use crate::host::{Host, HostError};
+use crate::state::schedule::Period;
 use crate::state::shared::decode_u64;
 use crate::state::{keys, vm_registry};
 
@@ -125,22 +126,18 @@ fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
     sum.hold_ms = hold_ms;
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Synced {
     /// This VM's dispatches, exact.
     own: Vec<Record>,
-    /// Every other live VM's and the dead VMs' retired totals, as of `read_ms`.
+    /// Every other live VM's and the dead VMs' retired totals, as of the last read.
     others: Vec<Record>,
     /// `own` changed since it was last published.
     dirty: bool,
     /// This VM's dispatches still in flight, over every worker.
     active: u64,
-    published_ms: Option<u64>,
-    read_ms: Option<u64>,
-}
-
-fn due(last: Option<u64>, now_ms: u64) -> bool {
-    last.is_none_or(|t| now_ms.saturating_sub(t) >= SYNC_MS)
+    published: Period,
+    read: Period,
 }
 
 /// This VM's side of the shared in-flight table. Worker records are indexed by the configured
@@ -159,7 +156,14 @@ impl SharedInflight {
         let index: hashbrown::HashMap<String, usize> =
             workers.into_iter().enumerate().map(|(i, id)| (id.to_string(), i)).collect();
         let n = index.len();
-        let state = Synced { own: vec![Record::default(); n], others: vec![Record::default(); n], ..Synced::default() };
+        let state = Synced {
+            own: vec![Record::default(); n],
+            others: vec![Record::default(); n],
+            dirty: false,
+            active: 0,
+            published: Period::every(SYNC_MS),
+            read: Period::every(SYNC_MS),
+        };
         Self { host, vm, index, state: Mutex::new(state) }
     }
 
@@ -228,7 +232,7 @@ impl SharedInflight {
         let bytes = match self.state.lock() {
             Ok(mut state) if state.dirty => {
                 state.dirty = false;
-                state.published_ms = Some(now_ms);
+                state.published.done(now_ms);
                 encode_records(&state.own)
             }
             _ => return,
@@ -246,7 +250,7 @@ impl SharedInflight {
             Ok(others) => {
                 if let Ok(mut state) = self.state.lock() {
                     state.others = others;
-                    state.read_ms = Some(now_ms);
+                    state.read.done(now_ms);
                 }
             }
             Err(e) => log::warn!("other VMs' in-flight counts not read: {e}"),
@@ -310,7 +314,7 @@ impl InflightTable for SharedInflight {
         let now = self.host.now_ms();
         // A VM whose last request ended publishes at once: nothing may follow to carry it.
         let Ok((publish, read)) =
-            self.state.lock().map(|s| (s.dirty && (s.active == 0 || due(s.published_ms, now)), due(s.read_ms, now)))
+            self.state.lock().map(|s| (s.dirty && (s.active == 0 || s.published.elapsed(now)), s.read.elapsed(now)))
         else {
             return;
         };
