@@ -4,7 +4,13 @@
 //! robin) and continues. No parse, no shared data, no stats, no accounting. It reads the same
 //! router configuration as the real filter (only the worker ids, once at start), so the bench runs
 //! both on one rendered Envoy configuration with only the module swapped.
+//!
+//! Built with `FLOOR_PROBE=<call>:<times>` it also makes one host call that many times per request
+//! (see [`probe`]): `scripts/bench --only hostcalls` runs such builds beside the plain floor to
+//! price each call a routing filter makes.
 #![cfg(target_arch = "wasm32")]
+
+mod probe;
 
 use std::cell::Cell;
 use std::rc::Rc;
@@ -52,7 +58,11 @@ impl RootContext for FloorRoot {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(FloorFilter { clusters: Rc::clone(&self.clusters), next: Rc::clone(&self.next) }))
+        Some(Box::new(FloorFilter {
+            clusters: Rc::clone(&self.clusters),
+            next: Rc::clone(&self.next),
+            probe: probe::Probe::from_build(),
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -63,6 +73,7 @@ impl RootContext for FloorRoot {
 struct FloorFilter {
     clusters: Rc<Vec<String>>,
     next: Rc<Cell<usize>>,
+    probe: Option<probe::Probe>,
 }
 
 impl Context for FloorFilter {}
@@ -83,12 +94,22 @@ impl HttpContext for FloorFilter {
         }
         // The one copy of the body into the VM that routing on it costs (a host call: never elided).
         let _body = self.get_http_request_body(0, body_size);
+        if let Some(probe) = &self.probe {
+            probe.on_request(body_size);
+        }
         let turn = self.next.get();
         self.next.set(turn.wrapping_add(1));
         if let Some(cluster) = self.clusters.get(turn % self.clusters.len().max(1)) {
             self.set_http_request_header(ROUTING_HEADER, Some(cluster));
             // As the real filter does (ENVOY_FIELD_NOTES); an Envoy without it re-routes anyway.
             let _ = proxy_wasm::hostcalls::call_foreign_function("clear_route_cache", Some(&[]));
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(probe) = &self.probe {
+            probe.on_response();
         }
         Action::Continue
     }
