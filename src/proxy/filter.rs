@@ -90,19 +90,20 @@ impl Filter {
         self.send_http_response(u32::from(status), headers, Some(body));
     }
 
-    /// Exchanges in-flight counts and prefix events with the other VMs if due.
+    /// Exchanges in-flight counts and prefix events with the other VMs if due, and bumps the
+    /// counters due.
     fn sync_shared(&self) {
-        self.app.borrow().sync_shared();
+        let due = self.app.borrow().sync_shared();
+        self.stats.count_all(&due);
     }
 
     fn carry_out(&self, effects: Effects) {
-        let counters = self.app.borrow().carry_out(effects);
-        self.stats.count_all(&counters);
+        self.app.borrow().carry_out(effects);
     }
 
     /// An error the selection did not already count.
     fn fail(&mut self, error: &RouteError) -> Action {
-        self.stats.count(&metrics::error_outcome(error.kind));
+        self.app.borrow().count([metrics::error_outcome(error.kind)]);
         self.reply(error.status(), &error.body());
         Action::Pause
     }
@@ -127,7 +128,7 @@ impl Filter {
         let elapsed = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.pending = None;
         self.stats.histogram(metrics::SELECTION_US, elapsed);
-        self.stats.count_all(&outcome.counters);
+        self.app.borrow().count(outcome.counters);
         match outcome.result {
             Ok(decision) => self.apply(decision),
             Err(error) => {
@@ -272,7 +273,7 @@ impl HttpContext for Filter {
             }
             Route::MethodNotAllowed { allow } => {
                 let error = method_not_allowed(&method, &path, allow);
-                self.stats.count(&metrics::error_outcome(error.kind));
+                self.app.borrow().count([metrics::error_outcome(error.kind)]);
                 self.reply_with(error.status(), &error.body(), vec![("allow", allow)]);
                 Action::Pause
             }

@@ -123,7 +123,8 @@ impl RootContext for Root {
         }
         if let Some(app) = &self.filter {
             // What this VM did just before it went quiet reaches the others here at the latest.
-            app.borrow().sync_shared_now();
+            let due = app.borrow().sync_shared_now();
+            self.stats.count_all(&due);
             self.heartbeat();
             self.export_replica();
             let unmonitored = app.borrow().unmonitored_workers() as u64;

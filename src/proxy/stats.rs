@@ -32,22 +32,19 @@ fn named(ids: &RefCell<HashMap<String, u32>>, kind: MetricType, name: &str) -> O
 }
 
 impl Stats {
-    pub fn count(&self, counter: &Counter) {
-        let known = self.counters.borrow().get(counter).copied();
-        let id = match known {
-            Some(id) => id,
-            None => {
-                let Some(id) = define(MetricType::Counter, &counter.name()) else { return };
-                self.counters.borrow_mut().insert(counter.clone(), id);
-                id
-            }
-        };
-        let _ = hostcalls::increment_metric(id, 1);
-    }
-
-    pub fn count_all(&self, counters: &[Counter]) {
-        for counter in counters {
-            self.count(counter);
+    /// Bumps each counter by its count (the core holds a busy VM's bumps and hands them over here).
+    pub fn count_all(&self, counts: &[(Counter, u64)]) {
+        for (counter, n) in counts {
+            let known = self.counters.borrow().get(counter).copied();
+            let id = match known {
+                Some(id) => id,
+                None => {
+                    let Some(id) = define(MetricType::Counter, &counter.name()) else { continue };
+                    self.counters.borrow_mut().insert(counter.clone(), id);
+                    id
+                }
+            };
+            let _ = hostcalls::increment_metric(id, i64::try_from(*n).unwrap_or(i64::MAX));
         }
     }
 

@@ -118,9 +118,8 @@ impl AppContext {
     }
 
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results
-    /// and abandoned probes to the breaker, the prefix event to the outbox. Returns the counters
-    /// for the glue to bump.
-    pub fn carry_out(&self, effects: Effects) -> Vec<Counter> {
+    /// and abandoned probes to the breaker, the prefix event to the outbox, the counters to be held.
+    pub fn carry_out(&self, effects: Effects) {
         if let Some(b) = &self.breakers {
             for (worker, answer) in &effects.results {
                 b.record(worker, answer.engine_ok());
@@ -132,20 +131,31 @@ impl AppContext {
         if let Some(event) = &effects.prefix_event {
             self.handles.outbox.push(event);
         }
-        effects.counters
+        self.count(effects.counters);
+    }
+
+    /// Counters for Envoy's stats, held until the next sync hands them to the glue.
+    pub fn count(&self, counters: impl IntoIterator<Item = Counter>) {
+        self.handles.counters.hold(counters);
     }
 
     /// Exchanges with the other VMs what is due on the request path: in-flight counts and the
-    /// prefix events held for the service. A VM with nothing in flight sends at once.
-    pub fn sync_shared(&self) {
+    /// prefix events held for the service. A VM with nothing in flight sends at once. Returns the
+    /// counter bumps due for Envoy's stats, on the same rule.
+    #[must_use = "the counter bumps are the glue's to make"]
+    pub fn sync_shared(&self) -> Vec<(Counter, u64)> {
         self.handles.inflight.sync_if_due();
-        self.handles.outbox.send_if_due(self.handles.inflight.idle());
+        let idle = self.handles.inflight.idle();
+        self.handles.outbox.send_if_due(idle);
+        self.handles.counters.take_if_due(idle, self.handles.host.now_ms())
     }
 
     /// Exchanges everything now (the heartbeat): what a VM did just before it went quiet.
-    pub fn sync_shared_now(&self) {
+    #[must_use = "the counter bumps are the glue's to make"]
+    pub fn sync_shared_now(&self) -> Vec<(Counter, u64)> {
         self.handles.inflight.sync();
         self.handles.outbox.send();
+        self.handles.counters.take(self.handles.host.now_ms())
     }
 
     /// Prepares a buffered body of a generation endpoint and starts its bucket loop. `header`

@@ -19,6 +19,7 @@ use crate::policies::{
     SessionAwarePolicy, SharedCursor, StickyPolicy,
 };
 use crate::registry::{AllAvailable, EngineAddress, Role, Worker, WorkerRegistry, DEFAULT_BOOTSTRAP_PORT};
+use crate::server::metrics::HeldCounters;
 use crate::state::affinity_store::AffinityStore;
 use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
@@ -46,6 +47,8 @@ pub struct StateHandles {
     pub tables_recheck_ms: u64,
     /// This VM's prefix events, held for the service.
     pub outbox: Arc<PrefixOutbox>,
+    /// This VM's counter bumps, held for Envoy's stats.
+    pub counters: Arc<HeldCounters>,
 }
 
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
@@ -73,6 +76,7 @@ pub fn filter_handles(
         // As often as in-flight counts are exchanged: tables are as fresh as the counts beside them.
         tables_recheck_ms: SYNC_MS,
         outbox: Arc::new(PrefixOutbox::new(Arc::clone(&host), SYNC_MS)),
+        counters: Arc::new(HeldCounters::new(SYNC_MS)),
         host,
     };
     (handles, prefixes)

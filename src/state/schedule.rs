@@ -1,5 +1,6 @@
 //! When things are due: the service's poll of each worker (every `interval_ms`, never with a poll
-//! still outstanding), and the request path's "at most once per period" ([`Period`]).
+//! still outstanding), the request path's "at most once per period" ([`Period`]), and what a busy
+//! VM holds back for the rest of Envoy ([`Batched`]).
 
 /// Something done at most once per period: the request path's exchanges and version checks, which
 /// ride on requests instead of a timer (a tick into wasm costs Envoy ~0.1 ms even when idle).
@@ -25,6 +26,60 @@ impl Period {
 
     pub fn done(&mut self, now_ms: u64) {
         self.last_ms = Some(now_ms);
+    }
+}
+
+/// What a VM holds back and hands over in one go, because each handing-over is a host call: at
+/// most once per period while it has requests in flight, at once when its last one ends (no later
+/// request would carry it), and whenever asked (the heartbeat).
+#[derive(Debug)]
+pub struct Batched<C> {
+    held: C,
+    sent: Period,
+}
+
+/// A collection a [`Batched`] holds.
+pub trait Held: Default {
+    fn is_empty(&self) -> bool;
+}
+
+impl<T> Held for Vec<T> {
+    fn is_empty(&self) -> bool {
+        Vec::is_empty(self)
+    }
+}
+
+impl<K, V> Held for hashbrown::HashMap<K, V> {
+    fn is_empty(&self) -> bool {
+        hashbrown::HashMap::is_empty(self)
+    }
+}
+
+impl<C: Held> Batched<C> {
+    pub fn every(period_ms: u64) -> Self {
+        Self { held: C::default(), sent: Period::every(period_ms) }
+    }
+
+    pub fn held_mut(&mut self) -> &mut C {
+        &mut self.held
+    }
+
+    /// What is held, if anything, when a period has passed since the last handing-over or `idle`.
+    pub fn take_if_due(&mut self, idle: bool, now_ms: u64) -> Option<C> {
+        if idle || self.sent.elapsed(now_ms) {
+            self.take(now_ms)
+        } else {
+            None
+        }
+    }
+
+    /// What is held, if anything.
+    pub fn take(&mut self, now_ms: u64) -> Option<C> {
+        if self.held.is_empty() {
+            return None;
+        }
+        self.sent.done(now_ms);
+        Some(std::mem::take(&mut self.held))
     }
 }
 
@@ -80,5 +135,21 @@ mod tests {
         s.finished(0);
         assert!(s.due(99).is_empty());
         assert_eq!(s.due(100), vec![0], "worker 1's poll is still outstanding");
+    }
+
+    #[test]
+    fn a_batch_goes_once_per_period_while_busy_at_once_when_idle_and_never_empty() {
+        let mut b: Batched<Vec<u8>> = Batched::every(5);
+        assert_eq!(b.take_if_due(true, 0), None, "nothing held, nothing handed over");
+        b.held_mut().push(1);
+        assert_eq!(b.take_if_due(false, 0), Some(vec![1]), "the first batch goes at once");
+        b.held_mut().push(2);
+        assert_eq!(b.take_if_due(false, 4), None, "held within the period");
+        b.held_mut().push(3);
+        assert_eq!(b.take_if_due(false, 5), Some(vec![2, 3]));
+        b.held_mut().push(4);
+        assert_eq!(b.take_if_due(true, 6), Some(vec![4]), "an idle VM hands over at once");
+        b.held_mut().push(5);
+        assert_eq!(b.take(7), Some(vec![5]), "and so does the heartbeat");
     }
 }

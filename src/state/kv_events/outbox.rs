@@ -12,29 +12,23 @@ use super::events::PrefixEvent;
 use super::wire;
 use crate::host::Host;
 use crate::state::keys;
-use crate::state::schedule::Period;
-
-#[derive(Debug)]
-struct Held {
-    /// Encoded events, back to back: one queue message.
-    bytes: Vec<u8>,
-    sent: Period,
-}
+use crate::state::schedule::Batched;
 
 pub struct PrefixOutbox {
     host: Arc<dyn Host>,
-    held: Mutex<Held>,
+    /// Encoded events, back to back: one queue message.
+    held: Mutex<Batched<Vec<u8>>>,
 }
 
 impl PrefixOutbox {
     pub fn new(host: Arc<dyn Host>, period_ms: u64) -> Self {
-        Self { host, held: Mutex::new(Held { bytes: Vec::new(), sent: Period::every(period_ms) }) }
+        Self { host, held: Mutex::new(Batched::every(period_ms)) }
     }
 
     pub fn push(&self, event: &PrefixEvent) {
         let encoded = wire::encode(event);
         match (encoded, self.held.lock()) {
-            (Ok(bytes), Ok(mut held)) => held.bytes.extend_from_slice(&bytes),
+            (Ok(bytes), Ok(mut held)) => held.held_mut().extend_from_slice(&bytes),
             (Err(e), _) => log::warn!("prefix event not kept for the service: {e}"),
             (_, Err(_)) => log::warn!("prefix event not kept for the service: outbox lock poisoned"),
         }
@@ -42,22 +36,18 @@ impl PrefixOutbox {
 
     /// Sends what is held if a period passed since the last message, or at once when `idle`.
     pub fn send_if_due(&self, idle: bool) {
-        self.send_when(|held, now| idle || held.sent.elapsed(now));
+        self.send_when(|held, now| held.take_if_due(idle, now));
     }
 
     /// Sends what is held.
     pub fn send(&self) {
-        self.send_when(|_, _| true);
+        self.send_when(|held, now| held.take(now));
     }
 
-    fn send_when(&self, due: impl FnOnce(&Held, u64) -> bool) {
+    fn send_when(&self, take: impl FnOnce(&mut Batched<Vec<u8>>, u64) -> Option<Vec<u8>>) {
         let now = self.host.now_ms();
-        let bytes = match self.held.lock() {
-            Ok(mut held) if !held.bytes.is_empty() && due(&held, now) => {
-                held.sent.done(now);
-                std::mem::take(&mut held.bytes)
-            }
-            _ => return,
+        let Some(bytes) = self.held.lock().ok().and_then(|mut held| take(&mut held, now)) else {
+            return;
         };
         // A queue that is not there yet (the service not started) loses these events; the index
         // is a hint, and the next requests record their prefixes again.
