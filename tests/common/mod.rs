@@ -3,12 +3,14 @@
 
 #![allow(dead_code)] // each test binary uses its own part of the harness
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -72,12 +74,20 @@ pub fn envoy_bin() -> PathBuf {
     }
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, and never handed out before in this test process: tests run
+/// side by side, and the kernel may give the port one test picked (and closed, to hand it to its
+/// engine or indexer) to the next test's pick before the first one binds it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("no free port: {e}"))
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or_else(|e| panic!("no free port: {e}"));
+        if GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
+            return port;
+        }
+    }
 }
 
 /// A fresh directory for one test's files.
