@@ -60,14 +60,18 @@ pub fn filter_handles(
     vm: u64,
     callouts: Arc<dyn Callouts>,
 ) -> (StateHandles, Arc<LocalCacheSource>) {
+    let inflight: Arc<dyn InflightTable> =
+        Arc::new(SharedInflight::new(Arc::clone(&host), vm, config.workers.iter().map(|w| w.id.as_str())));
     let prefixes = Arc::new(LocalCacheSource::new(
         Arc::clone(&host),
         PrefixReplica::new(prefix_budgets(config)),
         config.tokens.bytes_per_token,
+        Arc::clone(&inflight),
+        SYNC_MS,
     ));
     let handles = StateHandles {
         load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms, SYNC_MS)),
-        inflight: Arc::new(SharedInflight::new(Arc::clone(&host), vm, config.workers.iter().map(|w| w.id.as_str()))),
+        inflight,
         random: Arc::new(SeededRandom::from_host(host.as_ref())),
         callouts,
         affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
