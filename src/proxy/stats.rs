@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
-use crate::server::metrics::Counter;
+use crate::server::metrics::{Bumps, Counter};
 
 /// Metric ids: counters by their [`Counter`], so a request's counters are found without building
 /// a name; gauges and histograms by name, looked up by `&str`. A hit allocates nothing.
@@ -33,7 +33,7 @@ fn named(ids: &RefCell<HashMap<String, u32>>, kind: MetricType, name: &str) -> O
 
 impl Stats {
     /// Bumps each counter by its count (the core holds a busy VM's bumps and hands them over here).
-    pub fn count_all(&self, counts: &[(Counter, u64)]) {
+    pub fn count_all(&self, counts: &Bumps) {
         for (counter, n) in counts {
             let known = self.counters.borrow().get(counter).copied();
             let id = match known {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
 use super::headers::ProtectedHeaders;
-use super::metrics::Counter;
+use super::metrics::{Bumps, Counter};
 use super::routes::chat::bucket_loop::IndexerLookup;
 use super::routes::chat::{self, Effects, Endpoint, PendingChat, Prepared};
 use super::upstream::UpstreamHeader;
@@ -143,7 +143,7 @@ impl AppContext {
     /// prefix events held for the service. A VM with nothing in flight sends at once. Returns the
     /// counter bumps due for Envoy's stats, on the same rule.
     #[must_use = "the counter bumps are the glue's to make"]
-    pub fn sync_shared(&self) -> Vec<(Counter, u64)> {
+    pub fn sync_shared(&self) -> Bumps {
         self.handles.inflight.sync_if_due();
         let idle = self.handles.inflight.idle();
         self.handles.outbox.send_if_due(idle);
@@ -152,7 +152,7 @@ impl AppContext {
 
     /// Exchanges everything now (the heartbeat): what a VM did just before it went quiet.
     #[must_use = "the counter bumps are the glue's to make"]
-    pub fn sync_shared_now(&self) -> Vec<(Counter, u64)> {
+    pub fn sync_shared_now(&self) -> Bumps {
         self.handles.inflight.sync();
         self.handles.outbox.send();
         self.handles.counters.take(self.handles.host.now_ms())

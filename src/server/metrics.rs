@@ -88,8 +88,11 @@ impl std::hash::Hash for Counter {
 /// sync period and an idle one not at all.
 #[derive(Debug)]
 pub struct HeldCounters {
-    held: Mutex<Batched<hashbrown::HashMap<Counter, u64>>>,
+    held: Mutex<Batched<Bumps>>,
 }
+
+/// How many times each counter was bumped.
+pub type Bumps = hashbrown::HashMap<Counter, u64>;
 
 impl HeldCounters {
     pub fn new(period_ms: u64) -> Self {
@@ -105,25 +108,17 @@ impl HeldCounters {
     }
 
     /// The bumps held since the last hand-over, if one is due (see [`Batched`]).
-    pub fn take_if_due(&self, idle: bool, now_ms: u64) -> Vec<(Counter, u64)> {
+    pub fn take_if_due(&self, idle: bool, now_ms: u64) -> Bumps {
         self.take_with(|held| held.take_if_due(idle, now_ms))
     }
 
     /// Every bump held.
-    pub fn take(&self, now_ms: u64) -> Vec<(Counter, u64)> {
+    pub fn take(&self, now_ms: u64) -> Bumps {
         self.take_with(|held| held.take(now_ms))
     }
 
-    fn take_with(
-        &self,
-        take: impl FnOnce(&mut Batched<hashbrown::HashMap<Counter, u64>>) -> Option<hashbrown::HashMap<Counter, u64>>,
-    ) -> Vec<(Counter, u64)> {
-        self.held
-            .lock()
-            .ok()
-            .and_then(|mut held| take(&mut held))
-            .map(|map| map.into_iter().collect())
-            .unwrap_or_default()
+    fn take_with(&self, take: impl FnOnce(&mut Batched<Bumps>) -> Option<Bumps>) -> Bumps {
+        self.held.lock().ok().and_then(|mut held| take(&mut held)).unwrap_or_default()
     }
 }
 
@@ -181,14 +176,14 @@ mod tests {
         let held = HeldCounters::new(5);
         let routed = || [Counter::Outcome("routed"), Counter::Pick(Role::Plain, worker("A"))];
         held.hold(routed());
-        let mut first = held.take_if_due(false, 0);
+        let mut first: Vec<_> = held.take_if_due(false, 0).into_iter().collect();
         first.sort_by_key(|(c, _)| c.name());
         assert_eq!(first, [(Counter::Pick(Role::Plain, worker("A")), 1), (Counter::Outcome("routed"), 1)]);
         held.hold(routed());
         held.hold(routed());
         held.hold([Counter::Outcome("NoCandidates")]);
         assert!(held.take_if_due(false, 3).is_empty(), "a busy VM holds them within the period");
-        let mut due = held.take_if_due(true, 3);
+        let mut due: Vec<_> = held.take_if_due(true, 3).into_iter().collect();
         due.sort_by_key(|(c, _)| c.name());
         assert_eq!(
             due,

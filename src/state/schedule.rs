@@ -24,6 +24,12 @@ impl Period {
         self.last_ms.is_none_or(|t| now_ms.saturating_sub(t) >= self.every_ms)
     }
 
+    /// The request path's rule for what a VM owes the rest of Envoy: at once when the VM is
+    /// `idle` (no later request of its own would carry it), else once the period has passed.
+    pub fn due(&self, idle: bool, now_ms: u64) -> bool {
+        idle || self.elapsed(now_ms)
+    }
+
     pub fn done(&mut self, now_ms: u64) {
         self.last_ms = Some(now_ms);
     }
@@ -66,7 +72,7 @@ impl<C: Held> Batched<C> {
 
     /// What is held, if anything, when a period has passed since the last handing-over or `idle`.
     pub fn take_if_due(&mut self, idle: bool, now_ms: u64) -> Option<C> {
-        if idle || self.sent.elapsed(now_ms) {
+        if self.sent.due(idle, now_ms) {
             self.take(now_ms)
         } else {
             None

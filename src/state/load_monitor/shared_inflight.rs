@@ -314,7 +314,7 @@ impl InflightTable for SharedInflight {
         let now = self.host.now_ms();
         // A VM whose last request ended publishes at once: nothing may follow to carry it.
         let Ok((publish, read)) =
-            self.state.lock().map(|s| (s.dirty && (s.active == 0 || s.published.elapsed(now)), s.read.elapsed(now)))
+            self.state.lock().map(|s| (s.dirty && s.published.due(s.active == 0, now), s.read.elapsed(now)))
         else {
             return;
         };
