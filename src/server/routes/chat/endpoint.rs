@@ -9,8 +9,8 @@
 use serde_json::{Map, Value};
 
 use super::prepare::{
-    cut_to_prompt_limit, optional_integer, prepare_chat, read_object, required_model, stream_flag, validate_sampling,
-    ChatFacts,
+    cut_to_prompt_limit, optional_integer, prepare_chat, read_object, required_model, sequences, stream_flag,
+    validate_sampling, ChatFacts,
 };
 use crate::server::{ErrorKind, RouteError};
 
@@ -142,18 +142,14 @@ pub fn prepare_endpoint(
         }
     };
     validate_sampling(|field| sampling.get(field))?;
-    let n = optional_integer(sampling.get("n"), "n")?.unwrap_or(1);
-    if n < 1 {
-        return Err(RouteError::invalid("`n` must be at least 1"));
-    }
     let budget_field = if endpoint == Endpoint::Generate { "max_new_tokens" } else { "max_tokens" };
     let output_budget = optional_integer(sampling.get(budget_field), budget_field)?
         .map(|b| u64::try_from(b).map_err(|_| RouteError::invalid(format!("`{budget_field}` must be at least 0"))))
         .transpose()?;
     let input_tokens = prompts.longest_tokens(bytes_per_token);
     let expected_peak_tokens = output_budget.map(|b| input_tokens.saturating_add(b));
-    let sequences = prompts.count().saturating_mul(u64::try_from(n).unwrap_or(u64::MAX));
-    let facts = ChatFacts { model, stream, n: sequences, output_budget, input_tokens, expected_peak_tokens };
+    let n = sequences(optional_integer(sampling.get("n"), "n")?, prompts.count())?;
+    let facts = ChatFacts { model, stream, n, output_budget, input_tokens, expected_peak_tokens };
     let prompt_text = want_prompt.then(|| prompts.text(bytes_per_token));
     Ok(Prepared { facts, prompts, prompt_text })
 }
@@ -264,6 +260,32 @@ mod tests {
         assert!(e.message.contains("top_p"), "{}", e.message);
         let none = prepare_endpoint(Endpoint::Generate, br#"{"text": "a"}"#, 4, None, false).unwrap_err();
         assert_eq!(none.kind, ErrorKind::ModelNotFound);
+    }
+
+    /// `n` builds a bootstrap room, host and port per sequence in a PD body: `1e18` once took a VM's
+    /// memory. Capped on every endpoint, at the limits themselves.
+    #[test]
+    fn n_and_prompts_times_n_are_capped_on_every_endpoint() {
+        let body = |endpoint, n: Value, prompts: usize| match endpoint {
+            Endpoint::Chat => json!({"model": "m", "messages": [], "n": n}),
+            Endpoint::Completions => json!({"model": "m", "prompt": vec!["x"; prompts], "n": n}),
+            Endpoint::Generate => json!({"text": vec!["x"; prompts], "sampling_params": {"n": n}}),
+        };
+        for endpoint in Endpoint::ALL {
+            assert_eq!(prep(endpoint, body(endpoint, json!(128), 1)).unwrap().facts.n, 128);
+            for n in [json!(129), json!(1e18), json!(u64::MAX)] {
+                let e = prep(endpoint, body(endpoint, n.clone(), 1)).unwrap_err();
+                assert_eq!((e.kind, e.status()), (ErrorKind::InvalidRequest, 400), "{endpoint:?} n={n}");
+                assert!(e.message.contains("at most 128"), "{}", e.message);
+            }
+        }
+        for endpoint in [Endpoint::Completions, Endpoint::Generate] {
+            assert_eq!(prep(endpoint, body(endpoint, json!(128), 8)).unwrap().facts.n, 1024);
+            let e = prep(endpoint, body(endpoint, json!(128), 9)).unwrap_err();
+            assert!(e.message.contains("1152 sequences"), "{}", e.message);
+            let e = prep(endpoint, body(endpoint, json!(1), 1025)).unwrap_err();
+            assert!(e.message.contains("at most 1024"), "{}", e.message);
+        }
     }
 
     #[test]

@@ -40,10 +40,7 @@ pub fn prepare_chat(
     };
     let stream = stream_flag(view.stream.as_ref())?;
     validate_sampling(|field| view.field(field))?;
-    let n = optional_integer(view.n.as_ref(), "n")?.unwrap_or(1);
-    if n < 1 {
-        return Err(RouteError::invalid("`n` must be at least 1"));
-    }
+    let n = sequences(optional_integer(view.n.as_ref(), "n")?, 1)?;
     let output_budget = match optional_integer(view.max_completion_tokens.as_ref(), "max_completion_tokens")? {
         Some(b) => Some(b),
         None => optional_integer(view.max_tokens.as_ref(), "max_tokens")?,
@@ -62,15 +59,32 @@ pub fn prepare_chat(
             })
         })
         .transpose()?;
-    let facts = ChatFacts {
-        model,
-        stream,
-        n: u64::try_from(n).unwrap_or(u64::MAX),
-        output_budget,
-        input_tokens,
-        expected_peak_tokens,
-    };
+    let facts = ChatFacts { model, stream, n, output_budget, input_tokens, expected_peak_tokens };
     Ok((facts, want_prompt.then(|| prompt_text(messages))))
+}
+
+/// Choices one request may ask for (`n`), and sequences in all (prompts × `n`): each sequence is
+/// a bootstrap room, host and port in a PD body, so an unbounded `n` is memory a client chooses.
+pub const MAX_N: i128 = 128;
+pub const MAX_SEQUENCES: u64 = 1024;
+
+/// The sequences a request asks for: `n` (default 1) for each of its `prompts`, within
+/// [`MAX_N`] and [`MAX_SEQUENCES`].
+pub(super) fn sequences(n: Option<i128>, prompts: u64) -> Result<u64, RouteError> {
+    let n = n.unwrap_or(1);
+    if n < 1 {
+        return Err(RouteError::invalid("`n` must be at least 1"));
+    }
+    if n > MAX_N {
+        return Err(RouteError::invalid(format!("`n` must be at most {MAX_N}, got {n}")));
+    }
+    let total = prompts.saturating_mul(n as u64);
+    if total > MAX_SEQUENCES {
+        return Err(RouteError::invalid(format!(
+            "{prompts} prompts × `n` = {n} asks for {total} sequences; at most {MAX_SEQUENCES}"
+        )));
+    }
+    Ok(total)
 }
 
 /// A request body read as `T`, which must be a JSON object: a body that is not JSON, or is JSON
