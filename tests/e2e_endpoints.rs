@@ -99,12 +99,23 @@ fn generate_serves_the_configured_model_by_text_or_input_ids() {
     assert_eq!((r.status, r.header("allow")), (405, Some("POST")));
 }
 
+/// `sglang.bench_serving --backend sglang` posts to `/generate`: a router with one model serves it
+/// there without `serve_generate`; with several, none marked is a 404.
 #[test]
-fn generate_without_a_serving_model_is_refused_and_models_are_retrieved_by_id() {
-    let d = Deployment::start("models_by_id", vec![SimSpec::plain("A")], plain_router);
+fn generate_serves_the_only_model_and_models_are_retrieved_by_id() {
+    let d = Deployment::start("models_by_id", vec![SimSpec::plain("A")], |sims| {
+        let mut router = plain_router(sims);
+        router["models"]["other-model"] = router["models"]["demo-model"].clone();
+        router
+    });
     d.wait_for_service(1);
     let r = post(&d, "/generate", &json!({"text": "hi"}));
     assert_eq!((r.status, r.json()["error"]["type"].as_str()), (404, Some("model_not_found")), "{}", r.body);
+    let one = Deployment::start("generate_one_model", vec![SimSpec::plain("A")], plain_router);
+    one.wait_for_service(1);
+    let r = post(&one, "/generate", &json!({"text": "hi", "sampling_params": {"max_new_tokens": 2}}));
+    assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("A")), "{}", r.body);
+    assert_eq!(last_path(one.sim("A")), "/generate");
 
     let r = send(&d.envoy.url("/v1/models/demo-model"), "GET", None, &[]);
     assert_eq!(r.status, 200, "{}", r.body);

@@ -119,6 +119,16 @@ mod tests {
     }
 
     #[test]
+    fn generate_serves_the_only_model_or_the_one_marked_among_several() {
+        assert_eq!(from_value(minimal()).unwrap().generate_model(), Some("m"));
+        let mut two = minimal();
+        two["models"]["n"] = two["models"]["m"].clone();
+        assert_eq!(from_value(two.clone()).unwrap().generate_model(), None);
+        two["models"]["n"]["serve_generate"] = json!(true);
+        assert_eq!(from_value(two).unwrap().generate_model(), Some("n"));
+    }
+
+    #[test]
     fn minimal_config_gets_the_spec_defaults() {
         let c = from_value(minimal()).unwrap();
         assert_eq!(c.upstream.mode, UpstreamMode::ClusterHeader);

@@ -35,6 +35,18 @@ pub struct RouterConfig {
     pub models: BTreeMap<String, ModelConfig>,
 }
 
+impl RouterConfig {
+    /// The model SGLang's `POST /generate` (which names none) serves: the only one when there is
+    /// one, else the one marked `serve_generate` (spec §3).
+    pub fn generate_model(&self) -> Option<&str> {
+        let mut models = self.models.iter();
+        match (models.next(), models.next()) {
+            (Some((name, _)), None) => Some(name),
+            _ => self.models.iter().find(|(_, m)| m.serve_generate).map(|(name, _)| name.as_str()),
+        }
+    }
+}
+
 /// Where the indexer is and how long the filter waits for it (spec §7).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -297,7 +309,8 @@ pub struct ModelConfig {
     /// A Jinja chat template file, or a `tokenizer_config.json` with a `chat_template`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
-    /// SGLang's `POST /generate` names no model: the one model that sets this serves it.
+    /// SGLang's `POST /generate` names no model: with several models, the one that sets this
+    /// serves it (see [`RouterConfig::generate_model`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub serve_generate: bool,
     pub buckets: Vec<BucketConfig>,
