@@ -42,7 +42,10 @@ pub fn expected_wait_ms(
         (Some(l), Some(hold_ms)) => match (l.running, l.waiting, l.max_running) {
             (Some(running), Some(waiting), Some(slots)) if slots > 0 => {
                 let sent_since = local.dispatched_total.saturating_sub(l.dispatches_at_report);
-                let ahead = (running + waiting + sent_since + 1).saturating_sub(slots);
+                // Reported numbers are the engine's to choose: a sum that wrapped would make a full
+                // engine look idle.
+                let queued = running.saturating_add(waiting).saturating_add(sent_since).saturating_add(1);
+                let ahead = queued.saturating_sub(slots);
                 ahead as f64 * hold_ms / slots as f64
             }
             _ => 0.0,
@@ -113,6 +116,19 @@ mod tests {
         load.dispatches_at_report = 10;
         // 3 running + 2 sent since + itself - 4 slots = 2 ahead, 100 ms each.
         assert_eq!(expected_wait_ms(Some(&load), &local, 0, 10.0), 200.0);
+    }
+
+    #[test]
+    fn reported_numbers_near_the_top_of_u64_saturate_and_never_look_idle() {
+        let local = LocalLoad { hold_ms: Some(100.0), dispatched_total: u64::MAX, ..LocalLoad::default() };
+        let mut load = native_load(u64::MAX, u64::MAX);
+        load.max_running = Some(1);
+        let full = expected_wait_ms(Some(&load), &local, 0, 10.0);
+        load.running = Some(0);
+        load.waiting = Some(0);
+        load.dispatches_at_report = u64::MAX;
+        let idle = expected_wait_ms(Some(&load), &local, 0, 10.0);
+        assert!(full > 1e18 && idle == 0.0, "full {full}, idle {idle}");
     }
 
     #[test]

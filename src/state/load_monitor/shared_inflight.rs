@@ -113,7 +113,8 @@ fn merged_hold(a: &Record, b: &Record) -> f64 {
 /// add what is left of each, the hold time is the weighted mean.
 fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
     let hold_ms = merged_hold(sum, other);
-    let left = sum.queue.at(now_ms, sum.outstanding_tokens) + other.queue.at(now_ms, other.outstanding_tokens);
+    let left =
+        sum.queue.at(now_ms, sum.outstanding_tokens).saturating_add(other.queue.at(now_ms, other.outstanding_tokens));
     sum.inflight = sum.inflight.saturating_add(other.inflight);
     sum.total = sum.total.saturating_add(other.total);
     sum.outstanding_tokens = sum.outstanding_tokens.saturating_add(other.outstanding_tokens);
