@@ -1,13 +1,12 @@
 //! Scoped engine bindings for session and sticky routing (design §6 "Affinity state"). Bindings
 //! live in a fixed number of shards in shared data (never a key per session), updated with cas.
 //! Concurrent first assignments converge on one binding; the caller re-checks whichever engine
-//! won. The service sweeps idle bindings; each shard also caps its entries so memory stays bounded
+//! won. A binding is keyed by a 128-bit hash of its scope, never by the client's key itself. The service sweeps idle bindings; each shard also caps its entries so memory stays bounded
 //! even between sweeps: at most `SHARDS × MAX_PER_SHARD` = 262,144 bindings in all, the least
 //! recently used evicted first (counted). A shard that does not decode is counted, logged and
 //! rewritten empty on its next change; the other shards keep their bindings.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -41,38 +40,33 @@ pub struct Scope<'a> {
 }
 
 impl Scope<'_> {
-    fn id(&self) -> String {
-        // Length-prefixed parts, so no choice of key can collide with another scope.
+    /// 128-bit FNV-1a over the length-prefixed parts: stable across VMs and builds (std's hasher is
+    /// seeded per process), and no choice of key can pose as another scope.
+    fn hash(&self) -> u128 {
+        const OFFSET: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013b;
         let kind = match self.kind {
             BindingKind::Session => "s",
             BindingKind::Sticky => "k",
         };
-        [kind, self.model, self.bucket, self.stage.as_str(), self.key]
-            .iter()
-            .map(|p| format!("{}:{p}", p.len()))
-            .collect::<Vec<_>>()
-            .join("|")
+        let mut h = OFFSET;
+        for part in [kind, self.model, self.bucket, self.stage.as_str(), self.key] {
+            for b in (part.len() as u64).to_le_bytes().iter().chain(part.as_bytes()) {
+                h = (h ^ u128::from(*b)).wrapping_mul(PRIME);
+            }
+        }
+        h
+    }
+
+    /// The binding's id in its shard: the hash, so a client's key costs the same few bytes there
+    /// whatever its length (spec §3).
+    fn id(&self) -> String {
+        format!("{:032x}", self.hash())
     }
 
     fn shard(&self) -> u64 {
-        // FNV-1a: stable across VMs and builds (std's hasher is randomly seeded per process).
-        let mut h = Fnv(0xcbf2_9ce4_8422_2325);
-        self.id().hash(&mut h);
-        h.finish() % SHARDS
-    }
-}
-
-struct Fnv(u64);
-
-impl Hasher for Fnv {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= u64::from(*b);
-            self.0 = self.0.wrapping_mul(0x100_0000_01b3);
-        }
+        let h = self.hash();
+        ((h >> 64) as u64 ^ h as u64) % SHARDS
     }
 }
 
@@ -280,6 +274,22 @@ mod tests {
         ] {
             assert_eq!(store.get(&other), None, "{other:?}");
         }
+    }
+
+    /// A session header's value is the client's to choose: a megabyte key once cost a megabyte in
+    /// its shard, decoded and encoded again on every request of every client sharing the shard.
+    #[test]
+    fn a_key_of_any_length_costs_the_same_few_bytes_in_its_shard() {
+        let host = Arc::new(MemoryHost::default());
+        let store = AffinityStore::new(host.clone());
+        let long = "k".repeat(1 << 20);
+        store.bind(&scope(&long), "A", None).unwrap();
+        assert_eq!(store.get(&scope(&long)).as_deref(), Some("A"));
+        let mut longer = long.clone();
+        longer.push('k');
+        assert_eq!(store.get(&scope(&longer)), None, "a different key, a different binding");
+        let shard = host.shared_get(&keys::affinity_shard(scope(&long).shard())).unwrap().unwrap();
+        assert!(shard.bytes.len() < 200, "{} bytes", shard.bytes.len());
     }
 
     #[test]
