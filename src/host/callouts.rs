@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
 use super::HostError;
@@ -30,11 +30,16 @@ pub struct CalloutResponse {
 }
 
 type Slot = Arc<Mutex<Option<CalloutResponse>>>;
+type Slots = Arc<Mutex<HashMap<u32, Slot>>>;
 
-/// Resolves once the host delivered the callout's answer.
+/// Resolves once the host delivered the callout's answer. Dropped unanswered (the stream that
+/// waited on it was reset), it takes its entry off the board: an entry nobody waits for would stay
+/// there for the life of the VM, and every poll scans the board.
 #[derive(Debug)]
 pub struct CalloutFuture {
     slot: Slot,
+    token: u32,
+    board: Weak<Mutex<HashMap<u32, Slot>>>,
 }
 
 impl Future for CalloutFuture {
@@ -48,10 +53,20 @@ impl Future for CalloutFuture {
     }
 }
 
+impl Drop for CalloutFuture {
+    fn drop(&mut self) {
+        if let Some(slots) = self.board.upgrade() {
+            if let Ok(mut slots) = slots.lock() {
+                slots.remove(&self.token);
+            }
+        }
+    }
+}
+
 /// The outstanding callouts of one VM, by host token.
 #[derive(Debug, Default)]
 pub struct CalloutBoard {
-    slots: Mutex<HashMap<u32, Slot>>,
+    slots: Slots,
 }
 
 impl CalloutBoard {
@@ -60,7 +75,7 @@ impl CalloutBoard {
         if let Ok(mut slots) = self.slots.lock() {
             slots.insert(token, Arc::clone(&slot));
         }
-        CalloutFuture { slot }
+        CalloutFuture { slot, token, board: Arc::downgrade(&self.slots) }
     }
 
     /// Delivers an answer; `false` when the token is not a policy's callout.
@@ -141,5 +156,29 @@ mod tests {
         assert!(callouts.board().complete(1, CalloutResponse { status: Some(200), body: b"ok".to_vec() }));
         assert_eq!(poll(&mut future), Poll::Ready(CalloutResponse { status: Some(200), body: b"ok".to_vec() }));
         assert!(!callouts.board().is_outstanding(1));
+    }
+
+    /// A stream reset while its selection waited on the indexer drops the selection, and with it
+    /// the future: its board entry goes too.
+    #[test]
+    fn a_callout_dropped_unanswered_leaves_the_board() {
+        let callouts = MemoryCallouts::default();
+        let request = CalloutRequest {
+            cluster: "idx".into(),
+            method: "POST".into(),
+            path: "/match".into(),
+            authority: "idx".into(),
+            headers: vec![],
+            body: None,
+            timeout_ms: 100,
+        };
+        let kept = callouts.dispatch(request.clone()).unwrap();
+        for _ in 0..100 {
+            drop(callouts.dispatch(request.clone()).unwrap());
+        }
+        assert_eq!(callouts.board().tokens(), [1], "only the callout still awaited");
+        drop(kept);
+        assert!(callouts.board().tokens().is_empty());
+        assert!(!callouts.board().complete(1, CalloutResponse { status: Some(200), body: vec![] }));
     }
 }
