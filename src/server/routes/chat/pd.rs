@@ -68,8 +68,10 @@ pub fn forwarded_headers(client: Vec<(String, String)>, routing: &[String]) -> V
 
 impl PdDispatch {
     /// The prefill request: the same body and end-to-end headers as the decode engine's, to the
-    /// prefill engine's cluster. `client_headers` come from [`forwarded_headers`].
-    pub fn prefill_request(&self, client_headers: Vec<(String, String)>) -> CalloutRequest {
+    /// prefill engine's cluster. `client_headers` come from [`forwarded_headers`]. The body (up to
+    /// the body limit) moves into the request: the filter sets the upstream body from it, and
+    /// nothing holds it once both are dispatched.
+    pub fn take_prefill_request(&mut self, client_headers: Vec<(String, String)>) -> CalloutRequest {
         let mut headers = client_headers;
         headers.push(("content-type".to_string(), "application/json".to_string()));
         CalloutRequest {
@@ -78,7 +80,7 @@ impl PdDispatch {
             path: self.path.to_string(),
             authority: self.prefill.address.host_port(),
             headers,
-            body: Some(self.body.clone()),
+            body: Some(std::mem::take(&mut self.body)),
             timeout_ms: self.prefill_timeout_ms,
         }
     }
@@ -290,8 +292,10 @@ mod tests {
     #[test]
     fn the_prefill_request_carries_the_decode_body_to_the_prefill_cluster() {
         let p = worker_with("P1", Role::Prefill, "m");
-        let d = PdDispatch { prefill: p, path: CHAT_PATH, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
-        let r = d.prefill_request(vec![("authorization".into(), "Bearer k".into())]);
+        let mut d =
+            PdDispatch { prefill: p, path: CHAT_PATH, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
+        let r = d.take_prefill_request(vec![("authorization".into(), "Bearer k".into())]);
+        assert!(d.body.is_empty(), "the decision keeps no copy of the body for the rest of the stream");
         assert_eq!(
             r.headers,
             [("authorization".to_string(), "Bearer k".to_string()), ("content-type".into(), "application/json".into())]
