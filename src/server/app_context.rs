@@ -18,6 +18,7 @@ use crate::policies::pressure::prefill_rate;
 use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
+use crate::state::health;
 use crate::state::kv_events::remote::IndexerClient;
 use crate::state::load_monitor::{InflightGuard, PrefillWork};
 
@@ -37,7 +38,7 @@ pub struct AppContext {
     headers: Arc<ProtectedHeaders>,
     /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
     indexer: Option<Arc<IndexerClient>>,
-    /// The model `/generate` serves (`serve_generate`; validation allows one at most).
+    /// The model `/generate` serves ([`RouterConfig::generate_model`]).
     generate_model: Option<String>,
 }
 
@@ -63,11 +64,12 @@ impl AppContext {
             breakers.clone(),
             ids,
             handles.tables_recheck_ms,
+            health::stale_after_ms(config.health.interval_ms),
         ));
         let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
         let indexer = factory::indexer_client(&config, Arc::clone(&handles.callouts)).map(Arc::new);
-        let generate_model = config.models.iter().find(|(_, m)| m.serve_generate).map(|(name, _)| name.clone());
+        let generate_model = config.generate_model().map(str::to_string);
         Self {
             generate_model,
             indexer,
@@ -95,6 +97,11 @@ impl AppContext {
     /// Configured workers the service does not monitor, and so routes nothing to.
     pub fn unmonitored_workers(&self) -> usize {
         self.availability.unmonitored()
+    }
+
+    /// Whether the service's health table has gone stale (health reads as unknown).
+    pub fn health_stale(&self) -> bool {
+        self.availability.health_stale()
     }
 
     pub fn headers(&self) -> &Arc<ProtectedHeaders> {
@@ -147,6 +154,7 @@ impl AppContext {
         self.handles.inflight.sync_if_due();
         let idle = self.handles.inflight.idle();
         self.handles.outbox.send_if_due(idle);
+        self.hold_stale_health_reads();
         self.handles.counters.take_if_due(idle, self.handles.host.now_ms())
     }
 
@@ -155,7 +163,15 @@ impl AppContext {
     pub fn sync_shared_now(&self) -> Bumps {
         self.handles.inflight.sync();
         self.handles.outbox.send();
+        self.hold_stale_health_reads();
         self.handles.counters.take(self.handles.host.now_ms())
+    }
+
+    fn hold_stale_health_reads(&self) {
+        let stale = self.availability.take_stale_reads();
+        if stale > 0 {
+            self.handles.counters.hold_n(Counter::HealthTableStale, stale);
+        }
     }
 
     /// Prepares a buffered body of a generation endpoint and starts its bucket loop. `header`

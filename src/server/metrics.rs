@@ -36,6 +36,8 @@ pub enum Counter {
     Rejection(Limit),
     /// `sgl_router_prefix_lookups_total{result=hit|miss|unavailable}` (spec §7).
     PrefixLookup(&'static str),
+    /// `sgl_router_health_stale_reads_total`: health read while the service's table was stale.
+    HealthTableStale,
 }
 
 impl Counter {
@@ -48,6 +50,7 @@ impl Counter {
             Counter::PickReason(stage, r) => (3, stage.as_str(), r.as_str()),
             Counter::Rejection(l) => (4, l.as_str(), ""),
             Counter::PrefixLookup(v) => (5, v, ""),
+            Counter::HealthTableStale => (6, "", ""),
         }
     }
 
@@ -64,6 +67,7 @@ impl Counter {
             }
             Counter::Rejection(l) => format!("sgl_router_admission_rejections_total.limit.{}", l.as_str()),
             Counter::PrefixLookup(v) => format!("sgl_router_prefix_lookups_total.result.{v}"),
+            Counter::HealthTableStale => "sgl_router_health_stale_reads_total".to_string(),
         }
     }
 }
@@ -104,6 +108,14 @@ impl HeldCounters {
             for counter in counters {
                 *held.held_mut().entry(counter).or_insert(0) += 1;
             }
+        }
+    }
+
+    /// `n` bumps of one counter.
+    pub fn hold_n(&self, counter: Counter, n: u64) {
+        if let Ok(mut held) = self.held.lock() {
+            let count = held.held_mut().entry(counter).or_insert(0);
+            *count = count.saturating_add(n);
         }
     }
 

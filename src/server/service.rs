@@ -52,6 +52,8 @@ pub struct ServiceCore {
     /// Reads the filters' shared counts (the service dispatches nothing itself).
     inflight: SharedInflight,
     health_published: bool,
+    /// When the health table was last published: it goes out again every check interval.
+    health_published_ms: u64,
     last_sweep_ms: u64,
     last_affinity_sweep_ms: u64,
     prefixes: PrefixLog,
@@ -77,6 +79,7 @@ impl ServiceCore {
             health,
             load,
             health_published: false,
+            health_published_ms: 0,
             last_sweep_ms: 0,
             last_affinity_sweep_ms: 0,
         }
@@ -104,7 +107,8 @@ impl ServiceCore {
     /// Everything due at `now`: the polls to dispatch, tables published, sweeps run.
     pub fn tick(&mut self, now: u64) -> TickPlan {
         let mut plan = TickPlan::default();
-        if !self.health_published {
+        // Unchanged verdicts go out again too: the timestamp tells the filters the service lives.
+        if !self.health_published || now.saturating_sub(self.health_published_ms) >= self.config.health.interval_ms {
             self.publish_health();
         }
         for index in self.health.due(now) {
@@ -211,9 +215,13 @@ impl ServiceCore {
     }
 
     fn publish_health(&mut self) {
-        match serde_json::to_vec(&self.health.table()) {
+        let now = self.host.now_ms();
+        match serde_json::to_vec(&self.health.table(now)) {
             Ok(bytes) => match shared::publish(self.host.as_ref(), keys::HEALTH_TABLE, &bytes) {
-                Ok(_) => self.health_published = true,
+                Ok(_) => {
+                    self.health_published = true;
+                    self.health_published_ms = now;
+                }
                 Err(e) => log::warn!("health table not published: {e}"),
             },
             Err(e) => log::warn!("health table not encoded: {e}"),
@@ -268,7 +276,7 @@ impl ServiceCore {
             fresh += u64::from(has_report);
             gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), u64::from(has_report)));
         }
-        let unhealthy = self.health.table().unhealthy.len() as u64;
+        let unhealthy = self.health.unhealthy() as u64;
         let bytes: u64 = self.prefixes.trees().values().map(|t| t.size_bytes()).sum();
         gauges.extend([
             ("sgl_router_fresh_load_reports".to_string(), fresh),

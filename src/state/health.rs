@@ -14,6 +14,16 @@ pub struct HealthTable {
     /// update) must not route to it: nobody would notice it failing.
     #[serde(default)]
     pub monitored: Vec<String>,
+    /// When the service published this table. It republishes every check interval, flips or not,
+    /// so a table that stops moving means the service stopped, and its verdicts are unknown.
+    #[serde(default)]
+    pub published_ms: u64,
+}
+
+/// How long a published health table stands: three check intervals without a new one and the
+/// service is taken to be gone.
+pub fn stale_after_ms(interval_ms: u64) -> u64 {
+    interval_ms.saturating_mul(3)
 }
 
 #[derive(Debug, Clone)]
@@ -86,11 +96,16 @@ impl HealthMonitor {
         self.record(index, false)
     }
 
-    pub fn table(&self) -> HealthTable {
+    pub fn table(&self, now_ms: u64) -> HealthTable {
         HealthTable {
             unhealthy: self.workers.iter().filter(|w| !w.healthy).map(|w| w.id.clone()).collect(),
             monitored: self.workers.iter().map(|w| w.id.clone()).collect(),
+            published_ms: now_ms,
         }
+    }
+
+    pub fn unhealthy(&self) -> usize {
+        self.workers.iter().filter(|w| !w.healthy).count()
     }
 }
 
@@ -123,11 +138,11 @@ mod tests {
     #[test]
     fn healthy_until_failure_threshold_reached() {
         let mut m = monitor();
-        assert!(m.table().unhealthy.is_empty());
+        assert!(m.table(0).unhealthy.is_empty());
         assert!(!m.record(0, false));
-        assert!(m.table().unhealthy.is_empty());
+        assert!(m.table(0).unhealthy.is_empty());
         assert!(m.record(0, false));
-        assert_eq!(m.table().unhealthy, vec!["A".to_string()]);
+        assert_eq!(m.table(0).unhealthy, vec!["A".to_string()]);
     }
 
     #[test]
@@ -137,7 +152,7 @@ mod tests {
         m.record(0, false);
         assert!(!m.record(0, true));
         assert!(m.record(0, true));
-        assert!(m.table().unhealthy.is_empty());
+        assert!(m.table(0).unhealthy.is_empty());
     }
 
     #[test]
@@ -146,6 +161,6 @@ mod tests {
         m.record(0, false);
         m.record(0, true);
         assert!(!m.record(0, false));
-        assert!(m.table().unhealthy.is_empty());
+        assert!(m.table(0).unhealthy.is_empty());
     }
 }
