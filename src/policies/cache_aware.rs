@@ -119,12 +119,15 @@ impl LocalCacheSource {
         }
     }
 
-    /// (log version applied, bytes held across models).
-    pub fn replica_status(&self) -> (u64, u64) {
+    /// (log version applied, bytes held across models, resyncs, stalls) of this VM's replica.
+    pub fn replica_status(&self) -> [u64; 4] {
         self.replica
             .lock()
-            .map(|r| (r.log.version(), r.log.trees().values().map(|t| t.size_bytes()).sum()))
-            .unwrap_or((0, 0))
+            .map(|r| {
+                let bytes = r.log.trees().values().map(|t| t.size_bytes()).sum();
+                [r.log.version(), bytes, r.log.resyncs(), r.log.stalls()]
+            })
+            .unwrap_or_default()
     }
 }
 

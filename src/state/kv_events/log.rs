@@ -115,11 +115,12 @@ pub struct PrefixReplica {
     next_batch: u64,
     budgets: Budgets,
     resyncs: u64,
+    stalls: u64,
 }
 
 impl PrefixReplica {
     pub fn new(budgets: Budgets) -> Self {
-        Self { trees: BTreeMap::new(), next_batch: 0, budgets, resyncs: 0 }
+        Self { trees: BTreeMap::new(), next_batch: 0, budgets, resyncs: 0, stalls: 0 }
     }
 
     pub fn tree(&self, model: &str) -> Option<&RadixTree> {
@@ -139,12 +140,22 @@ impl PrefixReplica {
         self.resyncs
     }
 
-    /// Reads the head (a few bytes) and applies whatever batches are new.
+    /// Refreshes that stopped short of the head (see [`Self::refresh`]).
+    pub fn stalls(&self) -> u64 {
+        self.stalls
+    }
+
+    /// Reads the head (a few bytes) and applies whatever batches are new. At most one resync and
+    /// one pass over the ring per call: a slot that never decodes, or a snapshot more than a ring
+    /// behind the head, leaves the replica where it is until a later call finds a newer snapshot
+    /// (one is written every quarter ring), counted as a stall, instead of resyncing forever.
     pub fn refresh(&mut self, host: &dyn Host) -> Result<(), HostError> {
         let head = read_u64(host, HEAD)?.unwrap_or(0);
+        let mut resynced = false;
         if head < self.next_batch || head - self.next_batch > LOG_SLOTS {
             // The service restarted (head went back) or the ring moved past us.
             self.resync(host)?;
+            resynced = true;
         }
         while self.next_batch < head {
             let raw = host.shared_get(&slot_key(self.next_batch))?;
@@ -153,16 +164,18 @@ impl PrefixReplica {
                 Some(b) if b.batch == self.next_batch => {
                     for (i, event) in b.events.iter().enumerate() {
                         let budgets = &self.budgets;
-                        apply(&mut self.trees, event, b.first_seq + i as u64, &|m| budgets.of(m));
+                        apply(&mut self.trees, event, b.first_seq.saturating_add(i as u64), &|m| budgets.of(m));
                     }
                     self.next_batch += 1;
                 }
-                // Overwritten under us: start again from the snapshot.
-                _ => {
+                // Overwritten under us: start again from the snapshot, once.
+                _ if !resynced => {
                     self.resync(host)?;
-                    if self.next_batch >= head {
-                        break;
-                    }
+                    resynced = true;
+                }
+                _ => {
+                    self.stalls += 1;
+                    break;
                 }
             }
         }
@@ -236,6 +249,42 @@ mod tests {
         assert_eq!(replica.version(), log.head());
         assert_eq!(replica.trees(), log.trees());
         assert_eq!(replica.resyncs(), 1);
+    }
+
+    /// A slot that never decodes, with a snapshot from before it, once sent `refresh` between the
+    /// slot and the snapshot forever, on every request of the VM.
+    #[test]
+    fn a_slot_that_never_decodes_stalls_the_replica_once_per_refresh_and_is_counted() {
+        let host = MemoryHost::default();
+        let mut log = PrefixLog::new(budgets());
+        log.publish_start(&host).unwrap();
+        for i in 0..5 {
+            log.append(&host, vec![stored(i)]).unwrap();
+        }
+        host.shared_set(&slot_key(2), b"\xc1 not msgpack", None).unwrap();
+        let mut replica = PrefixReplica::new(budgets());
+        replica.refresh(&host).unwrap();
+        assert_eq!((replica.version(), replica.resyncs(), replica.stalls()), (2, 1, 1));
+        replica.refresh(&host).unwrap();
+        assert_eq!((replica.version(), replica.resyncs(), replica.stalls()), (2, 2, 2), "one resync per call");
+        // The next snapshot (every quarter ring) carries the replica past the bad slot.
+        for i in 5..SNAPSHOT_EVERY {
+            log.append(&host, vec![stored(i)]).unwrap();
+        }
+        replica.refresh(&host).unwrap();
+        assert_eq!((replica.version(), replica.trees()), (log.head(), log.trees()));
+    }
+
+    /// A snapshot more than a ring behind the head cannot be caught up from the ring: stop there.
+    #[test]
+    fn a_snapshot_more_than_a_ring_behind_is_not_chased() {
+        let host = MemoryHost::default();
+        let log = PrefixLog::new(budgets());
+        log.publish_start(&host).unwrap();
+        host.shared_set(HEAD, &(LOG_SLOTS * 3).to_le_bytes(), None).unwrap();
+        let mut replica = PrefixReplica::new(budgets());
+        replica.refresh(&host).unwrap();
+        assert_eq!((replica.version(), replica.resyncs(), replica.stalls()), (0, 1, 1));
     }
 
     #[test]
