@@ -29,6 +29,8 @@ pub struct Root {
     stats: Rc<Stats>,
     /// This filter VM's identity for its in-flight shares; kept across `on_configure` calls.
     vm: Option<u64>,
+    /// This VM's label on its own gauges, from its heartbeat (see `vm_registry::VM_SLOTS`).
+    slot: Option<u64>,
     /// This VM's replica of the prefix index.
     prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
@@ -46,18 +48,22 @@ impl Root {
     /// Keeps an idle replica current and reports how far it is, so tests and operators can see
     /// replicas agree.
     fn export_replica(&self) {
-        let (Some(prefixes), Some(vm)) = (&self.prefixes, self.vm) else { return };
+        let Some(prefixes) = &self.prefixes else { return };
         prefixes.refresh();
-        let (version, bytes) = prefixes.replica_status();
-        self.stats.gauge(&format!("sgl_router_prefix_replica_version.vm.{vm:016x}"), version);
-        self.stats.gauge(&format!("sgl_router_prefix_replica_bytes.vm.{vm:016x}"), bytes);
+        // Labelled by the VM's slot, not its id: see `vm_registry::VM_SLOTS`.
+        let Some(slot) = self.slot else { return };
+        let names = ["version", "bytes", "resyncs", "stalls"];
+        for (name, value) in names.into_iter().zip(prefixes.replica_status()) {
+            self.stats.gauge(&format!("sgl_router_prefix_replica_{name}.vm.{slot}"), value);
+        }
     }
 
     /// Tells the service this VM is alive, so its in-flight shares are kept.
-    fn heartbeat(&self) {
+    fn heartbeat(&mut self) {
         if let Some(vm) = self.vm {
-            if let Err(e) = vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
-                log::warn!("heartbeat not written: {e}");
+            match vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
+                Ok(slot) => self.slot = slot,
+                Err(e) => log::warn!("heartbeat not written: {e}"),
             }
         }
     }
@@ -121,7 +127,7 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }
-        if let Some(app) = &self.filter {
+        if let Some(app) = self.filter.clone() {
             // What this VM did just before it went quiet reaches the others here at the latest.
             let due = app.borrow().sync_shared_now();
             self.stats.count_all(&due);
@@ -129,6 +135,8 @@ impl RootContext for Root {
             self.export_replica();
             let unmonitored = app.borrow().unmonitored_workers() as u64;
             self.stats.gauge("sgl_router_unmonitored_workers", unmonitored);
+            let stale = u64::from(app.borrow().health_stale());
+            self.stats.gauge("sgl_router_health_table_stale", stale);
         }
     }
 

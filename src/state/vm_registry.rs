@@ -11,48 +11,75 @@ pub const DEAD_AFTER_MS: u64 = 10_000;
 /// How often a filter VM heartbeats.
 pub const HEARTBEAT_MS: u64 = 1_000;
 
-/// Leads every value: shared data reads an empty value as absent, so an empty list needs a header.
-const HEADER: [u8; 8] = *b"sglvms01";
+/// Slots a VM's own gauges are labelled with. A crash loop makes a new VM id each time and Envoy
+/// keeps every series a VM defined, so gauges carry the VM's slot, which a VM takes when it first
+/// heartbeats and the sweep frees: at most this many series per gauge, however many VMs came and
+/// went. A VM that finds none free exports no per-VM gauges.
+pub const VM_SLOTS: u64 = 64;
 
-fn decode(bytes: &[u8]) -> Vec<(u64, u64)> {
-    bytes
-        .get(HEADER.len()..)
-        .unwrap_or_default()
-        .chunks_exact(16)
-        .filter_map(|c| Some((decode_u64(c.get(..8)?)?, decode_u64(c.get(8..)?)?)))
+/// Leads every value: shared data reads an empty value as absent, so an empty list needs a header.
+const HEADER: [u8; 8] = *b"sglvms02";
+const ENTRY: usize = 24;
+
+/// One live VM: its id, when it last heartbeated, its gauge slot ([`VM_SLOTS`] = none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    vm: u64,
+    seen_ms: u64,
+    slot: u64,
+}
+
+fn decode(bytes: &[u8]) -> Vec<Entry> {
+    let entries = if bytes.starts_with(&HEADER) { &bytes[HEADER.len()..] } else { &[][..] };
+    entries
+        .chunks_exact(ENTRY)
+        .filter_map(|c| {
+            Some(Entry {
+                vm: decode_u64(c.get(..8)?)?,
+                seen_ms: decode_u64(c.get(8..16)?)?,
+                slot: decode_u64(c.get(16..)?)?,
+            })
+        })
         .collect()
 }
 
-fn encode(entries: &[(u64, u64)]) -> Vec<u8> {
-    let body = entries.iter().flat_map(|(vm, seen)| vm.to_le_bytes().into_iter().chain(seen.to_le_bytes()));
+fn encode(entries: &[Entry]) -> Vec<u8> {
+    let body = entries
+        .iter()
+        .flat_map(|e| e.vm.to_le_bytes().into_iter().chain(e.seen_ms.to_le_bytes()).chain(e.slot.to_le_bytes()));
     HEADER.into_iter().chain(body).collect()
 }
 
-pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<(), HostError> {
+/// Records that `vm` is alive; returns its gauge slot (`None` when every slot is taken).
+pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<Option<u64>, HostError> {
     update(host, keys::VMS, &HEADER, |bytes| {
         let mut entries = decode(bytes);
-        match entries.iter_mut().find(|(id, _)| *id == vm) {
-            Some(entry) => entry.1 = now_ms,
-            None => entries.push((vm, now_ms)),
-        }
-        (encode(&entries), ())
+        let slot = match entries.iter_mut().find(|e| e.vm == vm) {
+            Some(entry) => {
+                entry.seen_ms = now_ms;
+                entry.slot
+            }
+            None => {
+                let slot = (0..VM_SLOTS).find(|s| entries.iter().all(|e| e.slot != *s)).unwrap_or(VM_SLOTS);
+                entries.push(Entry { vm, seen_ms: now_ms, slot });
+                slot
+            }
+        };
+        (encode(&entries), (slot < VM_SLOTS).then_some(slot))
     })
 }
 
-/// Removes VMs silent for [`DEAD_AFTER_MS`] and returns their ids.
+/// Removes VMs silent for [`DEAD_AFTER_MS`] (their slots free) and returns their ids.
 pub fn sweep(host: &dyn Host, now_ms: u64) -> Result<Vec<u64>, HostError> {
     update(host, keys::VMS, &HEADER, |bytes| {
         let (alive, dead): (Vec<_>, Vec<_>) =
-            decode(bytes).into_iter().partition(|(_, seen)| now_ms.saturating_sub(*seen) <= DEAD_AFTER_MS);
-        (encode(&alive), dead.into_iter().map(|(vm, _)| vm).collect())
+            decode(bytes).into_iter().partition(|e| now_ms.saturating_sub(e.seen_ms) <= DEAD_AFTER_MS);
+        (encode(&alive), dead.into_iter().map(|e| e.vm).collect())
     })
 }
 
 pub fn alive(host: &dyn Host) -> Result<Vec<u64>, HostError> {
-    Ok(host
-        .shared_get(keys::VMS)?
-        .map(|v| decode(&v.bytes).into_iter().map(|(vm, _)| vm).collect())
-        .unwrap_or_default())
+    Ok(host.shared_get(keys::VMS)?.map(|v| decode(&v.bytes).into_iter().map(|e| e.vm).collect()).unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -70,5 +97,26 @@ mod tests {
         assert_eq!(sweep(&host, 10_000).unwrap(), Vec::<u64>::new());
         assert_eq!(sweep(&host, 10_001).unwrap(), vec![1]);
         assert_eq!(alive(&host).unwrap(), vec![2]);
+    }
+
+    /// Each VM a crash loop makes has a new id; its gauges take a freed slot, so the series stay
+    /// as many as the VMs alive at once, not as many as ever lived.
+    #[test]
+    fn a_crash_loop_reuses_gauge_slots() {
+        let host = MemoryHost::default();
+        assert_eq!(heartbeat(&host, 7, 0).unwrap(), Some(0));
+        let mut slots = std::collections::HashSet::new();
+        for vm in 100..1_100u64 {
+            let now = vm * 20_000;
+            slots.insert(heartbeat(&host, vm, now).unwrap());
+            heartbeat(&host, 7, now).unwrap();
+            sweep(&host, now + DEAD_AFTER_MS + 1).unwrap();
+            assert_eq!(heartbeat(&host, 7, now + DEAD_AFTER_MS + 1).unwrap(), Some(0), "a live VM keeps its slot");
+        }
+        assert_eq!(slots.into_iter().collect::<Vec<_>>(), [Some(1)]);
+        for vm in 0..VM_SLOTS {
+            heartbeat(&host, 10_000 + vm, 0).unwrap();
+        }
+        assert_eq!(heartbeat(&host, 99_999, 0).unwrap(), None, "every slot taken: no per-VM gauges");
     }
 }
