@@ -77,7 +77,7 @@ pub enum DecodeError {
     Msgpack(String),
     #[error("malformed {what}: {why}")]
     Shape { what: &'static str, why: String },
-    #[error("a frame set needs 3 frames (topic, seq, payload), got {0}")]
+    #[error("unexpected frame count {0} (live: topic, seq, payload; replay: delimiter, [topic,] seq, payload)")]
     Frames(usize),
 }
 
@@ -91,6 +91,17 @@ pub fn decode_frames(frames: &[impl AsRef<[u8]>]) -> Result<(u64, EventBatch), D
         return Err(DecodeError::Frames(frames.len()));
     };
     Ok((decode_seq(seq.as_ref())?, decode_batch(payload.as_ref())?))
+}
+
+/// A replay answer after the DEALER stripped the identity: SGLang's `["", topic, seq, payload]`,
+/// vLLM's `["", seq, payload]`. The end of a replay is seq -1 (read as `u64::MAX`).
+pub fn replay_frames<B: AsRef<[u8]>>(frames: &[B]) -> Result<(u64, &[u8]), DecodeError> {
+    match frames {
+        [delimiter, _, seq, payload] | [delimiter, seq, payload] if delimiter.as_ref().is_empty() => {
+            Ok((decode_seq(seq.as_ref())?, payload.as_ref()))
+        }
+        _ => Err(DecodeError::Frames(frames.len())),
+    }
 }
 
 /// The 8-byte big-endian sequence number (`-1` ends a replay).
@@ -366,5 +377,22 @@ mod tests {
         assert!(decode_frames(&[b"t".to_vec()]).is_err());
         assert!(decode_seq(b"short").is_err());
         assert_eq!(decode_seq(&(-1i64).to_be_bytes()).unwrap(), u64::MAX, "the replay's end marker");
+    }
+
+    /// SGLang 0.5.23's ROUTER answers with a topic frame (four frames once the DEALER strips the
+    /// identity), vLLM's without; both end with seq -1 and an empty payload.
+    #[test]
+    fn replay_answers_of_both_engines_are_read() {
+        let seq = 7u64.to_be_bytes().to_vec();
+        let end = (-1i64).to_be_bytes().to_vec();
+        let sglang = [vec![], b"kv".to_vec(), seq.clone(), b"payload".to_vec()];
+        assert_eq!(replay_frames(&sglang).unwrap(), (7, &b"payload"[..]));
+        let sglang_end = [vec![], vec![], end.clone(), vec![]];
+        assert_eq!(replay_frames(&sglang_end).unwrap(), (u64::MAX, &b""[..]));
+        let vllm = [vec![], seq.clone(), b"payload".to_vec()];
+        assert_eq!(replay_frames(&vllm).unwrap(), (7, &b"payload"[..]));
+        assert_eq!(replay_frames(&[vec![], end, vec![]]).unwrap().0, u64::MAX);
+        assert!(replay_frames(&[b"x".to_vec(), seq.clone(), vec![]]).is_err(), "no delimiter");
+        assert!(replay_frames(&[vec![], seq]).is_err());
     }
 }

@@ -119,12 +119,21 @@ pub struct Index {
 }
 
 /// Since start, for `/metrics`.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Counters {
     pub events: u64,
     pub orphan_pages: u64,
     pub evicted_pages: u64,
     pub speculative_added: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, other: &Counters) {
+        self.events += other.events;
+        self.orphan_pages += other.orphan_pages;
+        self.evicted_pages += other.evicted_pages;
+        self.speculative_added += other.speculative_added;
+    }
 }
 
 impl Index {

@@ -1,6 +1,7 @@
 //! sgl-indexer: the precise prefix index of spec §7. Engines publish KV events over ZeroMQ
 //! (`subscriber`), decoded from SGLang's and vLLM's wire formats (`events`) into one index per
-//! model keyed by the indexer's own chained block keys (`index`); chat bodies are rendered with the
+//! model keyed by the indexer's own chained block keys (`index`), every engine byte passing a
+//! loopback frame guard first (`relay`); chat bodies are rendered with the
 //! model's chat template and tokenized as the engine does (`tokenize`); `http` answers the filter
 //! and anyone else. `state` holds what they share.
 //!
@@ -14,6 +15,7 @@ pub mod claims;
 pub mod events;
 pub mod http;
 pub mod index;
+pub mod relay;
 pub mod state;
 pub mod subscriber;
 pub mod synthetic;

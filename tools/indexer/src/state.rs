@@ -11,7 +11,7 @@ use sgl_envoy_router::config::{CacheSourceKind, RouterConfig};
 
 use crate::claims::{Claims, Turn};
 use crate::events::EventBatch;
-use crate::index::{block_keys, EngineMatch, Index};
+use crate::index::{block_keys, Counters, EngineMatch, Index};
 use crate::tokenize::{ModelTokenizer, TokenizeError};
 
 /// Engine pages the indexer keeps in all models together (about 190 bytes each: 8 Mi pages ≈ 1.5 GiB).
@@ -52,6 +52,9 @@ pub struct Stats {
     pub routed_refused: AtomicU64,
     pub claim_waits: AtomicU64,
     pub claim_waits_unrouted: AtomicU64,
+    /// Engine connections cut for an oversized frame or message (shared with every relay).
+    pub oversized: Arc<AtomicU64>,
+    pub repair_overflows: AtomicU64,
 }
 
 macro_rules! counter {
@@ -65,7 +68,7 @@ macro_rules! counter {
 }
 
 counter!(subscribed => subscribed, malformed => malformed, gaps => gaps, replayed => replayed,
-         unrepaired => unrepaired, restarts => restarts);
+         unrepaired => unrepaired, restarts => restarts, repair_overflows => repair_overflows);
 
 /// A recent match a routed notice can name: (handle, model, block keys).
 type Handle = (u64, String, Arc<[u64]>);
@@ -251,7 +254,7 @@ impl App {
             ("sgl_indexer_subscribed", "engine ranks subscribed at least once", load(&s.subscribed)),
             ("sgl_indexer_claims_open", "matches claimed and not yet routed", self.claims.open(now_ms()) as u64),
         ];
-        let counters: [(&str, &str, &AtomicU64); 15] = [
+        let counters: [(&str, &str, &AtomicU64); 17] = [
             ("sgl_indexer_batches_total", "event batches applied", &s.batches),
             ("sgl_indexer_malformed_total", "event frames dropped as malformed", &s.malformed),
             ("sgl_indexer_gaps_total", "sequence gaps seen", &s.gaps),
@@ -275,6 +278,12 @@ impl App {
                 "claim waits that ended without the routed notice",
                 &s.claim_waits_unrouted,
             ),
+            ("sgl_indexer_oversized_total", "engine connections cut for an oversized frame or message", &s.oversized),
+            (
+                "sgl_indexer_repair_overflows_total",
+                "repairs given up because the live batches held behind them reached their bound",
+                &s.repair_overflows,
+            ),
         ];
         for (name, help, value) in gauges {
             line(name, help, "gauge", value);
@@ -282,14 +291,77 @@ impl App {
         for (name, help, counter) in counters {
             line(name, help, "counter", load(counter));
         }
-        out.push_str("# HELP sgl_indexer_blocks engine pages held, per engine\n# TYPE sgl_indexer_blocks gauge\n");
+        let mut index_totals = Counters::default();
+        let mut per_engine = Vec::new();
         if let Ok(indexes) = self.indexes.lock() {
             for index in indexes.values() {
-                for (engine, pages) in index.pages_per_engine() {
-                    out.push_str(&format!("sgl_indexer_blocks{{worker=\"{engine}\"}} {pages}\n"));
-                }
+                index_totals.add(&index.counters);
+                per_engine.extend(index.pages_per_engine());
             }
         }
+        let index_counters = [
+            ("sgl_indexer_events_total", "engine events applied", index_totals.events),
+            (
+                "sgl_indexer_evicted_pages_total",
+                "pages evicted to stay within the memory budget",
+                index_totals.evicted_pages,
+            ),
+            (
+                "sgl_indexer_orphan_pages_total",
+                "pages whose parent was never seen (they key nothing)",
+                index_totals.orphan_pages,
+            ),
+            ("sgl_indexer_speculative_added_total", "blocks added by routed notices", index_totals.speculative_added),
+        ];
+        for (name, help, value) in index_counters {
+            line(name, help, "counter", value);
+        }
+        out.push_str("# HELP sgl_indexer_blocks engine pages held, per engine\n# TYPE sgl_indexer_blocks gauge\n");
+        for (engine, pages) in per_engine {
+            out.push_str(&format!("sgl_indexer_blocks{{worker=\"{engine}\"}} {pages}\n"));
+        }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{KvEvent, Medium, StoredBlocks};
+
+    pub(crate) fn app() -> App {
+        let config = sgl_envoy_router::config::parse_and_validate(
+            r#"{"workers": [{"id": "A", "url": "http://127.0.0.1:1", "model": "m", "kv_events": "tcp://127.0.0.1:5557"}],
+                "prefix_index": {"url": "http://127.0.0.1:9", "block_tokens": 4},
+                "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}}"#,
+        )
+        .unwrap();
+        App::new(config, 1000)
+    }
+
+    /// The index's own counters were kept "for /metrics" and never reached it.
+    #[test]
+    fn the_index_counters_are_exported() {
+        let app = app();
+        let stored = |hash, parent| {
+            KvEvent::Stored(StoredBlocks {
+                block_hashes: vec![hash],
+                parent,
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 4,
+                lora: None,
+                medium: Medium::Gpu,
+                cache_salt: None,
+            })
+        };
+        let batch = EventBatch { ts: 0.0, events: vec![stored(1, None), stored(2, Some(99))], dp_rank: None };
+        app.apply("A", 0, &batch);
+        let metrics = app.metrics();
+        for line in
+            ["sgl_indexer_events_total 2", "sgl_indexer_orphan_pages_total 1", "sgl_indexer_evicted_pages_total 0"]
+        {
+            assert!(metrics.contains(line), "{line} in:\n{metrics}");
+        }
+        assert!(metrics.contains("# TYPE sgl_indexer_speculative_added_total counter"));
     }
 }

@@ -12,7 +12,8 @@ use bytes::Bytes;
 use sgl_envoy_router::config::RouterConfig;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use crate::events::{decode_batch, decode_frames, decode_seq, EventBatch};
+use crate::events::{decode_batch, decode_frames, replay_frames, EventBatch};
+use crate::relay;
 use crate::state::App;
 
 /// What a replay answer may take before the gap counts as unrepairable.
@@ -54,19 +55,150 @@ pub fn subscriptions(config: &RouterConfig) -> Vec<Subscription> {
         .collect()
 }
 
-/// Where this rank's sequence stands.
-#[derive(Debug, Default)]
-struct Cursor {
-    next: Option<u64>,
+/// Live batches a rank holds while a repair is out; past it the repair is given up and the rank's
+/// entries dropped, so a slow replay cannot make the subscriber hold memory without end.
+pub const MAX_HELD_BATCHES: usize = 4096;
+/// Batches one repair may ask for (SGLang keeps 10,000 by default): a larger gap drops the rank.
+pub const MAX_REPLAY_BATCHES: u64 = 10_000;
+/// Payload bytes one replay may bring in all.
+pub const MAX_REPLAY_BYTES: usize = 64 << 20;
+/// Messages one replay may answer with (its buffer past `until` comes too, and is skipped).
+const MAX_REPLAY_MESSAGES: u64 = 2 * MAX_REPLAY_BATCHES;
+
+/// Why a rank's entries were dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// The publisher's sequence went back: it restarted, and what it said before is void.
+    Restart,
+    /// Batches were missed and could not be replayed: a missed removal would leave a block the
+    /// engine no longer has.
+    Unrepaired,
+    /// A repair took so long that the live batches held behind it reached their bound.
+    Overflow,
 }
+
+/// What the subscriber does next for one rank.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    Apply(EventBatch),
+    Drop(Dropped),
+    /// Ask the replay endpoint for batches `from..until`; live batches are held until it answers.
+    Repair {
+        from: u64,
+        until: u64,
+    },
+}
+
+/// One rank's sequence: applies batches in order, asks for repairs of gaps and holds what comes
+/// live meanwhile. Pure, so every path is tested without sockets.
+#[derive(Debug)]
+pub struct Sequencer {
+    next: Option<u64>,
+    can_replay: bool,
+    repairing: Option<(u64, u64)>,
+    held: std::collections::VecDeque<(u64, EventBatch)>,
+}
+
+impl Sequencer {
+    pub fn new(can_replay: bool) -> Self {
+        Self { next: None, can_replay, repairing: None, held: Default::default() }
+    }
+
+    /// Whether a repair is out.
+    pub fn repairing(&self) -> bool {
+        self.repairing.is_some()
+    }
+
+    /// A live batch arrived.
+    pub fn live(&mut self, seq: u64, batch: EventBatch) -> Vec<Step> {
+        if self.repairing.is_some() {
+            if self.held.len() < MAX_HELD_BATCHES {
+                self.held.push_back((seq, batch));
+                return Vec::new();
+            }
+            self.repairing = None;
+            self.held.clear();
+            self.next = Some(seq.wrapping_add(1));
+            return vec![Step::Drop(Dropped::Overflow), Step::Apply(batch)];
+        }
+        let mut steps = Vec::new();
+        match self.next {
+            Some(next) if seq < next => steps.push(Step::Drop(Dropped::Restart)),
+            Some(next) if seq > next => {
+                if self.can_replay && seq - next <= MAX_REPLAY_BATCHES {
+                    return self.start_repair(next, seq, batch);
+                }
+                steps.push(Step::Drop(Dropped::Unrepaired));
+            }
+            // Joined late (or ZeroMQ's slow joiner lost the first batches): fetch the history.
+            None if seq > 0 && self.can_replay => return self.start_repair(0, seq, batch),
+            _ => {}
+        }
+        self.next = Some(seq.wrapping_add(1));
+        steps.push(Step::Apply(batch));
+        steps
+    }
+
+    fn start_repair(&mut self, from: u64, until: u64, batch: EventBatch) -> Vec<Step> {
+        self.repairing = Some((from, until));
+        self.held.push_back((until, batch));
+        self.next = Some(until.wrapping_add(1));
+        vec![Step::Repair { from, until }]
+    }
+
+    /// The replay answered (`None`: it failed or timed out): the repaired batches, then what was
+    /// held, in order.
+    pub fn replayed(&mut self, batches: Option<Vec<(u64, EventBatch)>>) -> Vec<Step> {
+        let Some((from, until)) = self.repairing.take() else { return Vec::new() };
+        let mut steps = Vec::new();
+        match batches {
+            // Joining late, whatever the buffer still has is better than nothing: what it lost
+            // are stores we never heard of, not removals.
+            Some(b) if from == 0 && b.iter().all(|(s, _)| *s < until) => {
+                steps.extend(b.into_iter().map(|(_, batch)| Step::Apply(batch)));
+            }
+            Some(b) if b.len() as u64 == until - from && b.iter().zip(from..).all(|((s, _), want)| *s == want) => {
+                steps.extend(b.into_iter().map(|(_, batch)| Step::Apply(batch)));
+            }
+            _ => steps.push(Step::Drop(Dropped::Unrepaired)),
+        }
+        let held = std::mem::take(&mut self.held);
+        self.next = held.front().map(|(s, _)| *s);
+        for (seq, batch) in held {
+            steps.extend(self.live(seq, batch));
+        }
+        steps
+    }
+}
+
+/// A replay under way: the batches it brought, or `None` when it failed or timed out.
+type Replay = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Vec<(u64, EventBatch)>>> + Send>>;
 
 /// Runs one subscription forever, reconnecting with backoff.
 pub async fn run(sub: Subscription, app: Arc<App>) {
     let mut backoff = BACKOFF_MIN;
     let mut first_connection = true;
+    let relayed = |endpoint: &str| {
+        let upstream = endpoint.trim_start_matches("tcp://").to_string();
+        relay::start(upstream, Arc::clone(&app.stats.oversized))
+    };
+    let (events, replay) = loop {
+        let events = relayed(&sub.endpoint).await;
+        let replay = match &sub.replay {
+            Some(r) => relayed(r).await.map(Some),
+            None => Ok(None),
+        };
+        match (events, replay) {
+            (Ok(e), Ok(r)) => break (e, r),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("sgl-indexer: {} rank {}: no loopback relay: {e}", sub.worker, sub.rank);
+                tokio::time::sleep(BACKOFF_MAX).await;
+            }
+        }
+    };
     loop {
         let mut socket = SubSocket::new();
-        let connected = match socket.connect(&sub.endpoint).await {
+        let connected = match socket.connect(&events).await {
             Ok(()) => socket.subscribe("").await.map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
@@ -81,101 +213,174 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
             app.stats.subscribed(1);
             first_connection = false;
         }
-        let mut cursor = Cursor::default();
+        let mut sequencer = Sequencer::new(replay.is_some());
+        let mut repair: Option<Replay> = None;
         loop {
-            let message = match socket.recv().await {
-                Ok(m) => m,
-                Err(e) => {
+            // The socket is drained while a repair is out, so neither it nor the engine's
+            // high-water mark fills behind a slow replay.
+            let event = tokio::select! {
+                message = socket.recv() => Ok(message),
+                replayed = async {
+                    match repair.as_mut() {
+                        Some(f) => f.await,
+                        None => std::future::pending().await,
+                    }
+                } => Err(replayed),
+            };
+            let steps = match event {
+                Ok(Ok(message)) => match decode_frames(&message.into_vec()) {
+                    Ok((seq, batch)) => sequencer.live(seq, batch),
+                    Err(e) => {
+                        app.stats.malformed(1);
+                        eprintln!("sgl-indexer: {} rank {}: malformed event frames dropped: {e}", sub.worker, sub.rank);
+                        continue;
+                    }
+                },
+                Ok(Err(e)) => {
                     eprintln!("sgl-indexer: {} rank {}: subscription broke: {e}", sub.worker, sub.rank);
                     break;
                 }
+                Err(replayed) => {
+                    repair = None;
+                    if let Some(batches) = &replayed {
+                        app.stats.replayed(batches.len() as u64);
+                    }
+                    sequencer.replayed(replayed)
+                }
             };
-            let frames = message.into_vec();
-            match decode_frames(&frames) {
-                Ok((seq, batch)) => receive(&sub, &app, &mut cursor, seq, batch).await,
-                Err(e) => {
-                    app.stats.malformed(1);
-                    eprintln!("sgl-indexer: {} rank {}: malformed event frames dropped: {e}", sub.worker, sub.rank);
+            for step in steps {
+                match step {
+                    Step::Apply(batch) => app.apply(&sub.worker, sub.rank, &batch),
+                    Step::Drop(why) => {
+                        match why {
+                            Dropped::Restart => app.stats.restarts(1),
+                            Dropped::Unrepaired => {
+                                app.stats.unrepaired(1);
+                                eprintln!(
+                                    "sgl-indexer: {} rank {}: batches missed and not replayable; its entries are dropped",
+                                    sub.worker, sub.rank
+                                );
+                            }
+                            Dropped::Overflow => app.stats.repair_overflows(1),
+                        }
+                        app.clear(&sub.worker, Some(sub.rank));
+                    }
+                    Step::Repair { from, until } => {
+                        if from > 0 {
+                            app.stats.gaps(1);
+                        }
+                        let endpoint = replay.clone().unwrap_or_default();
+                        repair = Some(Box::pin(async move {
+                            tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(endpoint, from, until))
+                                .await
+                                .ok()
+                                .flatten()
+                        }));
+                    }
                 }
             }
         }
     }
 }
 
-async fn receive(sub: &Subscription, app: &App, cursor: &mut Cursor, seq: u64, batch: EventBatch) {
-    match cursor.next {
-        Some(next) if seq < next => {
-            // The publisher restarted (its sequence starts again at 0): what it said before is void.
-            app.stats.restarts(1);
-            app.clear(&sub.worker, Some(sub.rank));
-        }
-        Some(next) if seq > next => {
-            app.stats.gaps(1);
-            repair(sub, app, next, seq).await;
-        }
-        None if seq > 0 && sub.replay.is_some() => {
-            // Joined late (or ZeroMQ's slow joiner lost the first batches): fetch the history.
-            repair(sub, app, 0, seq).await;
-        }
-        _ => {}
-    }
-    app.apply(&sub.worker, sub.rank, &batch);
-    cursor.next = Some(seq.wrapping_add(1));
-}
-
-/// Replays batches `from..until` from the engine's replay endpoint; when that is impossible, drops
-/// the rank's entries rather than keep a view with holes.
-async fn repair(sub: &Subscription, app: &App, from: u64, until: u64) {
-    let replayed = match &sub.replay {
-        Some(endpoint) => tokio::time::timeout(REPLAY_TIMEOUT, replay(endpoint, from, until)).await.ok().flatten(),
-        None => None,
-    };
-    match replayed {
-        Some(batches) if batches.first().map(|(s, _)| *s) == Some(from) || (from == 0 && !batches.is_empty()) => {
-            app.stats.replayed(batches.len() as u64);
-            for (_, batch) in batches {
-                app.apply(&sub.worker, sub.rank, &batch);
-            }
-        }
-        Some(batches) if from == 0 && batches.is_empty() => {}
-        _ => {
-            app.stats.unrepaired(1);
-            eprintln!(
-                "sgl-indexer: {} rank {}: batches {from}..{until} missed and not replayable; its entries are dropped",
-                sub.worker, sub.rank
-            );
-            app.clear(&sub.worker, Some(sub.rank));
-        }
-    }
-}
-
-/// Asks a replay ROUTER for the batches from `from` on; keeps those before `until`.
-async fn replay(endpoint: &str, from: u64, until: u64) -> Option<Vec<(u64, EventBatch)>> {
+/// Asks a replay ROUTER for the batches from `from` on; keeps those before `until`. SGLang answers
+/// each batch as `["", topic, seq, payload]` after the DEALER strips the identity, vLLM as
+/// `["", seq, payload]`; both end with seq -1. Bounded in messages and bytes.
+async fn fetch_replay(endpoint: String, from: u64, until: u64) -> Option<Vec<(u64, EventBatch)>> {
     let mut socket = DealerSocket::new();
-    socket.connect(endpoint).await.ok()?;
+    socket.connect(&endpoint).await.ok()?;
     let request = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())]).ok()?;
     socket.send(request).await.ok()?;
     let mut out = Vec::new();
-    loop {
+    let mut bytes = 0usize;
+    for _ in 0..MAX_REPLAY_MESSAGES {
         let frames = socket.recv().await.ok()?.into_vec();
-        // [empty delimiter, seq, payload]; seq -1 ends the replay.
-        let (seq, payload) = match frames.as_slice() {
-            [_, seq, payload] => (decode_seq(seq).ok()?, payload),
-            [seq, payload] => (decode_seq(seq).ok()?, payload),
-            _ => return None,
-        };
+        let (seq, payload) = replay_frames(&frames).ok()?;
         if seq == u64::MAX {
             return Some(out);
         }
         if seq >= from && seq < until {
+            bytes = bytes.saturating_add(payload.len());
+            if bytes > MAX_REPLAY_BYTES {
+                return None;
+            }
             out.push((seq, decode_batch(payload).ok()?));
         }
     }
+    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn b(tag: f64) -> EventBatch {
+        EventBatch { ts: tag, events: vec![], dp_rank: None }
+    }
+
+    fn applied(steps: &[Step]) -> Vec<f64> {
+        steps.iter().filter_map(|s| if let Step::Apply(b) = s { Some(b.ts) } else { None }).collect()
+    }
+
+    #[test]
+    fn a_gap_is_repaired_before_what_came_live_after_it() {
+        let mut s = Sequencer::new(true);
+        assert_eq!(applied(&s.live(0, b(0.0))), [0.0]);
+        assert_eq!(s.live(3, b(3.0)), [Step::Repair { from: 1, until: 3 }]);
+        assert!(s.live(4, b(4.0)).is_empty(), "held while the repair is out");
+        let steps = s.replayed(Some(vec![(1, b(1.0)), (2, b(2.0))]));
+        assert_eq!(applied(&steps), [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(applied(&s.live(5, b(5.0))), [5.0]);
+    }
+
+    #[test]
+    fn a_replay_that_does_not_cover_the_gap_drops_the_rank_and_goes_on() {
+        let mut s = Sequencer::new(true);
+        s.live(0, b(0.0));
+        s.live(3, b(3.0));
+        let steps = s.replayed(Some(vec![(2, b(2.0))]));
+        assert_eq!(steps[0], Step::Drop(Dropped::Unrepaired));
+        assert_eq!(applied(&steps), [3.0]);
+        let mut s = Sequencer::new(true);
+        s.live(0, b(0.0));
+        s.live(2, b(2.0));
+        assert_eq!(s.replayed(None)[0], Step::Drop(Dropped::Unrepaired), "no answer in time");
+    }
+
+    #[test]
+    fn a_late_join_takes_what_the_buffer_still_has() {
+        let mut s = Sequencer::new(true);
+        assert_eq!(s.live(5, b(5.0)), [Step::Repair { from: 0, until: 5 }]);
+        assert_eq!(applied(&s.replayed(Some(vec![(3, b(3.0)), (4, b(4.0))]))), [3.0, 4.0, 5.0]);
+    }
+
+    #[test]
+    fn without_replay_gaps_drop_the_rank_and_restarts_always_do() {
+        let mut s = Sequencer::new(false);
+        assert_eq!(applied(&s.live(4, b(4.0))), [4.0], "a late join without replay starts where it is");
+        assert_eq!(s.live(6, b(6.0))[0], Step::Drop(Dropped::Unrepaired));
+        assert_eq!(s.live(0, b(0.0))[0], Step::Drop(Dropped::Restart));
+        let mut s = Sequencer::new(true);
+        s.live(0, b(0.0));
+        assert_eq!(s.live(MAX_REPLAY_BATCHES + 2, b(1.0))[0], Step::Drop(Dropped::Unrepaired), "too large to ask");
+    }
+
+    /// A replay that never answers cannot make the rank hold live batches without end.
+    #[test]
+    fn live_batches_held_behind_a_repair_are_bounded() {
+        let mut s = Sequencer::new(true);
+        s.live(0, b(0.0));
+        s.live(2, b(2.0));
+        for seq in 3..2 + MAX_HELD_BATCHES as u64 {
+            assert!(s.live(seq, b(0.0)).is_empty());
+        }
+        let at_bound = 2 + MAX_HELD_BATCHES as u64;
+        let steps = s.live(at_bound, b(9.0));
+        assert_eq!(steps, [Step::Drop(Dropped::Overflow), Step::Apply(b(9.0))]);
+        assert!(!s.repairing());
+        assert!(s.replayed(Some(vec![(1, b(1.0))])).is_empty(), "a late answer is ignored");
+        assert_eq!(applied(&s.live(at_bound + 1, b(10.0))), [10.0]);
+    }
 
     #[test]
     fn every_rank_gets_its_offset_ports() {

@@ -66,18 +66,36 @@ fn start_indexer(events: u16, replay: u16) -> Indexer {
         "models": {"m": {"tokenizer": tok.join("tokenizer.json"), "chat_template": tok.join("tokenizer_config.json"),
                          "buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}
     });
+    let indexer = spawn_indexer(&dir, &config, &[]);
+    wait("the indexer's health", || ureq::get(&indexer.url("/health")).call().is_ok_and(|r| r.status() == 200));
+    indexer
+}
+
+/// Starts the indexer on `config` with `args`; returns once it serves `/metrics`.
+fn spawn_indexer(dir: &Path, config: &Value, args: &[&str]) -> Indexer {
     let path = dir.join("router.json");
     std::fs::write(&path, config.to_string()).unwrap();
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_sgl-indexer"))
         .args(["--config", path.to_str().unwrap(), "--listen", &format!("127.0.0.1:{port}")])
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let indexer = Indexer(child, port);
-    wait("the indexer's health", || ureq::get(&indexer.url("/health")).call().is_ok_and(|r| r.status() == 200));
+    wait("the indexer's metrics", || ureq::get(&indexer.url("/metrics")).call().is_ok());
     indexer
+}
+
+impl Indexer {
+    fn metrics(&self) -> String {
+        ureq::get(&self.url("/metrics")).call().unwrap().body_mut().read_to_string().unwrap()
+    }
+
+    fn alive(&mut self) -> bool {
+        self.0.try_wait().unwrap().is_none()
+    }
 }
 
 fn wait(what: &str, mut ok: impl FnMut() -> bool) {
@@ -123,6 +141,15 @@ fn batch(events: Vec<V>) -> Vec<u8> {
 /// Past batches by sequence number, as the publisher's replay buffer keeps them.
 type ReplayBuffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
 
+/// How a replay ROUTER frames each batch it sends back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReplayForm {
+    /// `[id, "", topic, seq, payload]`, the end `[id, "", "", -1, ""]` (SGLang 0.5.23).
+    Sglang,
+    /// `[id, "", seq, payload]`, the end `[id, "", -1, ""]` (vLLM).
+    Vllm,
+}
+
 /// A publisher as SGLang runs it: PUB for live batches, ROUTER answering replay requests from a
 /// buffer of past batches.
 struct Publisher {
@@ -133,6 +160,10 @@ struct Publisher {
 
 impl Publisher {
     fn start(events: u16, replay: u16) -> Self {
+        Self::start_as(events, replay, ReplayForm::Sglang)
+    }
+
+    fn start_as(events: u16, replay: u16, form: ReplayForm) -> Self {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let buffer: ReplayBuffer = Arc::default();
         let socket = rt.block_on(async {
@@ -149,17 +180,20 @@ impl Publisher {
                 let (id, start) = (frames[0].clone(), u64::from_be_bytes(frames[2][..8].try_into().unwrap()));
                 let past: Vec<(u64, Vec<u8>)> =
                     replay_buffer.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+                let frames = |topic: &'static [u8], seq: Bytes, payload: Bytes| {
+                    let mut m = vec![id.clone(), Bytes::new()];
+                    if form == ReplayForm::Sglang {
+                        m.push(Bytes::from_static(topic));
+                    }
+                    m.extend([seq, payload]);
+                    ZmqMessage::try_from(m).unwrap()
+                };
                 for (seq, payload) in past {
-                    let m = vec![
-                        id.clone(),
-                        Bytes::new(),
-                        Bytes::copy_from_slice(&seq.to_be_bytes()),
-                        Bytes::from(payload),
-                    ];
-                    router.send(ZmqMessage::try_from(m).unwrap()).await.unwrap();
+                    let m = frames(b"kv", Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload));
+                    router.send(m).await.unwrap();
                 }
-                let end = vec![id.clone(), Bytes::new(), Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()];
-                router.send(ZmqMessage::try_from(end).unwrap()).await.unwrap();
+                let end = frames(b"", Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new());
+                router.send(end).await.unwrap();
             }
         });
         Self { rt, socket, buffer }
@@ -182,8 +216,18 @@ impl Publisher {
 
 #[test]
 fn events_reach_the_index_through_late_join_gap_repair_and_restart() {
+    through_late_join_gap_repair_and_restart(ReplayForm::Sglang);
+}
+
+/// vLLM's replay has no topic frame.
+#[test]
+fn vllm_replay_repairs_gaps_too() {
+    through_late_join_gap_repair_and_restart(ReplayForm::Vllm);
+}
+
+fn through_late_join_gap_repair_and_restart(form: ReplayForm) {
     let (events, replay) = (free_port(), free_port());
-    let mut publisher = Publisher::start(events, replay);
+    let mut publisher = Publisher::start_as(events, replay, form);
     // Batch 0 goes out before the indexer exists: only replay can bring it.
     let first: Vec<u32> = (1..=8).collect();
     publisher.publish(0, batch(stored_pages(100, None, &first)), true);
@@ -216,7 +260,9 @@ fn events_reach_the_index_through_late_join_gap_repair_and_restart() {
     publisher.publish(1, batch(vec![V::Map(vec![(V::from("type"), V::from("AllBlocksCleared"))])]), true);
     wait("the clear", || indexer.matched(&third) == 0);
     let metrics = ureq::get(&indexer.url("/metrics")).call().unwrap().body_mut().read_to_string().unwrap();
-    for counter in ["sgl_indexer_gaps_total 1", "sgl_indexer_publisher_restarts_total 1"] {
+    for counter in
+        ["sgl_indexer_gaps_total 1", "sgl_indexer_publisher_restarts_total 1", "sgl_indexer_unrepaired_gaps_total 0"]
+    {
         assert!(metrics.contains(counter), "{counter} in:\n{metrics}");
     }
 }
@@ -257,4 +303,44 @@ fn a_chat_body_is_tokenized_as_the_engine_does_and_matched() {
     assert_eq!(indexer.post("/query", &json!({"token_ids": "nope"})).0, 400);
     assert_eq!(indexer.post("/query", &json!({"model": "zz", "token_ids": []})).0, 404);
     assert_eq!(indexer.post("/v1/prefix/match", &json!({"messages": []})).0, 400);
+}
+
+/// An "engine" that greets like ZeroMQ and then declares a 2^40-byte frame: the `zeromq` crate
+/// reserved that much at once and the process aborted. The relay cuts it off; the indexer lives.
+#[test]
+fn an_engine_declaring_a_huge_frame_is_cut_off_and_the_indexer_lives() {
+    let engine = TcpListener::bind("127.0.0.1:0").unwrap();
+    let events = engine.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for conn in engine.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 3, 1];
+            greeting.extend(b"NULL");
+            greeting.resize(64, 0);
+            let mut header = vec![0b010];
+            header.extend((1u64 << 40).to_be_bytes());
+            let _ = conn.write_all(&greeting);
+            let _ = conn.write_all(&header);
+            let mut sink = [0u8; 1024];
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = conn.read(&mut sink);
+        }
+    });
+    let dir = std::env::temp_dir().join(format!("sgl-indexer-oversized-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = json!({
+        "workers": [{"id": "A", "url": "http://127.0.0.1:1", "model": "m", "kv_events": format!("tcp://127.0.0.1:{events}")}],
+        "prefix_index": {"url": "http://127.0.0.1:9", "block_tokens": 4},
+        "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}
+    });
+    let mut indexer = spawn_indexer(&dir, &config, &[]);
+    wait("the oversized frame to be refused", || {
+        let line =
+            indexer.metrics().lines().find_map(|l| l.strip_prefix("sgl_indexer_oversized_total ")?.parse::<u64>().ok());
+        line.is_some_and(|n| n >= 1)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(indexer.alive(), "the indexer survived");
+    assert_eq!(indexer.post("/query", &json!({"model": "m", "token_ids": [1, 2, 3, 4]})).0, 200);
 }
