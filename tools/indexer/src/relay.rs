@@ -123,19 +123,27 @@ impl FrameGuard {
 
 /// A loopback listener whose every connection is relayed to `upstream` (`host:port`) through a
 /// [`FrameGuard`]. Returns the `tcp://127.0.0.1:PORT` endpoint our socket connects to instead.
-pub async fn start(upstream: String, violations: Arc<AtomicU64>) -> std::io::Result<String> {
+/// `connections` counts the connections made to the engine: a new one after the first means the
+/// engine may have restarted, which its sequence numbers alone cannot always tell.
+pub async fn start(
+    upstream: String,
+    violations: Arc<AtomicU64>,
+    connections: Arc<AtomicU64>,
+) -> std::io::Result<String> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("tcp://{}", listener.local_addr()?);
     tokio::spawn(async move {
         loop {
             let Ok((ours, _)) = listener.accept().await else { continue };
-            let (upstream, violations) = (upstream.clone(), Arc::clone(&violations));
+            let (upstream, violations, connections) =
+                (upstream.clone(), Arc::clone(&violations), Arc::clone(&connections));
             tokio::spawn(async move {
                 let engine = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&upstream)).await {
                     Ok(Ok(engine)) => engine,
                     // Dropping ours: the socket sees a broken connection and retries.
                     _ => return,
                 };
+                connections.fetch_add(1, Ordering::Relaxed);
                 if let Err(v) = pipe(ours, engine).await {
                     violations.fetch_add(1, Ordering::Relaxed);
                     eprintln!("sgl-indexer: engine {upstream} cut off: {v}");

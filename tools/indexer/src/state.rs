@@ -55,6 +55,7 @@ pub struct Stats {
     /// Engine connections cut for an oversized frame or message (shared with every relay).
     pub oversized: Arc<AtomicU64>,
     pub repair_overflows: AtomicU64,
+    pub reconnects: AtomicU64,
 }
 
 macro_rules! counter {
@@ -68,7 +69,8 @@ macro_rules! counter {
 }
 
 counter!(subscribed => subscribed, malformed => malformed, gaps => gaps, replayed => replayed,
-         unrepaired => unrepaired, restarts => restarts, repair_overflows => repair_overflows);
+         unrepaired => unrepaired, restarts => restarts, repair_overflows => repair_overflows,
+         reconnects => reconnects);
 
 /// A recent match a routed notice can name: (handle, model, block keys).
 type Handle = (u64, String, Arc<[u64]>);
@@ -254,7 +256,7 @@ impl App {
             ("sgl_indexer_subscribed", "engine ranks subscribed at least once", load(&s.subscribed)),
             ("sgl_indexer_claims_open", "matches claimed and not yet routed", self.claims.open(now_ms()) as u64),
         ];
-        let counters: [(&str, &str, &AtomicU64); 17] = [
+        let counters: [(&str, &str, &AtomicU64); 18] = [
             ("sgl_indexer_batches_total", "event batches applied", &s.batches),
             ("sgl_indexer_malformed_total", "event frames dropped as malformed", &s.malformed),
             ("sgl_indexer_gaps_total", "sequence gaps seen", &s.gaps),
@@ -277,6 +279,11 @@ impl App {
                 "sgl_indexer_claim_waits_unrouted_total",
                 "claim waits that ended without the routed notice",
                 &s.claim_waits_unrouted,
+            ),
+            (
+                "sgl_indexer_reconnects_total",
+                "engine connections made anew (the rank starts over from replay)",
+                &s.reconnects,
             ),
             ("sgl_indexer_oversized_total", "engine connections cut for an oversized frame or message", &s.oversized),
             (

@@ -5,6 +5,7 @@
 //! going backwards means the publisher restarted, and the rank's entries are dropped before its new
 //! events apply. A subscriber that joins late asks the replay endpoint for what it missed.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +76,9 @@ pub enum Dropped {
     Unrepaired,
     /// A repair took so long that the live batches held behind it reached their bound.
     Overflow,
+    /// The connection to the engine was made anew: a restarted publisher's sequence may already
+    /// be past ours, so only its replay from 0 is trusted.
+    Reconnected,
 }
 
 /// What the subscriber does next for one rank.
@@ -97,11 +101,12 @@ pub struct Sequencer {
     can_replay: bool,
     repairing: Option<(u64, u64)>,
     held: std::collections::VecDeque<(u64, EventBatch)>,
+    reconnected: bool,
 }
 
 impl Sequencer {
     pub fn new(can_replay: bool) -> Self {
-        Self { next: None, can_replay, repairing: None, held: Default::default() }
+        Self { next: None, can_replay, repairing: None, held: Default::default(), reconnected: false }
     }
 
     /// Whether a repair is out.
@@ -109,8 +114,22 @@ impl Sequencer {
         self.repairing.is_some()
     }
 
+    /// The engine connection was made again (see [`Dropped::Reconnected`]): what the rank held is
+    /// dropped with the next batch, which starts over as a late join.
+    pub fn reconnected(&mut self) {
+        self.next = None;
+        self.repairing = None;
+        self.held.clear();
+        self.reconnected = true;
+    }
+
     /// A live batch arrived.
     pub fn live(&mut self, seq: u64, batch: EventBatch) -> Vec<Step> {
+        if std::mem::take(&mut self.reconnected) {
+            let mut steps = vec![Step::Drop(Dropped::Reconnected)];
+            steps.extend(self.live(seq, batch));
+            return steps;
+        }
         if self.repairing.is_some() {
             if self.held.len() < MAX_HELD_BATCHES {
                 self.held.push_back((seq, batch));
@@ -178,14 +197,15 @@ type Replay = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Vec<(u64
 pub async fn run(sub: Subscription, app: Arc<App>) {
     let mut backoff = BACKOFF_MIN;
     let mut first_connection = true;
-    let relayed = |endpoint: &str| {
+    let connections = Arc::new(AtomicU64::new(0));
+    let relayed = |endpoint: &str, connections: Arc<AtomicU64>| {
         let upstream = endpoint.trim_start_matches("tcp://").to_string();
-        relay::start(upstream, Arc::clone(&app.stats.oversized))
+        relay::start(upstream, Arc::clone(&app.stats.oversized), connections)
     };
     let (events, replay) = loop {
-        let events = relayed(&sub.endpoint).await;
+        let events = relayed(&sub.endpoint, Arc::clone(&connections)).await;
         let replay = match &sub.replay {
-            Some(r) => relayed(r).await.map(Some),
+            Some(r) => relayed(r, Arc::default()).await.map(Some),
             None => Ok(None),
         };
         match (events, replay) {
@@ -214,6 +234,7 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
             first_connection = false;
         }
         let mut sequencer = Sequencer::new(replay.is_some());
+        let mut seen_connections = connections.load(Ordering::Relaxed);
         let mut repair: Option<Replay> = None;
         loop {
             // The socket is drained while a repair is out, so neither it nor the engine's
@@ -228,14 +249,24 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
                 } => Err(replayed),
             };
             let steps = match event {
-                Ok(Ok(message)) => match decode_frames(&message.into_vec()) {
-                    Ok((seq, batch)) => sequencer.live(seq, batch),
-                    Err(e) => {
-                        app.stats.malformed(1);
-                        eprintln!("sgl-indexer: {} rank {}: malformed event frames dropped: {e}", sub.worker, sub.rank);
-                        continue;
+                Ok(Ok(message)) => {
+                    let now = connections.load(Ordering::Relaxed);
+                    if now != seen_connections {
+                        seen_connections = now;
+                        sequencer.reconnected();
                     }
-                },
+                    match decode_frames(&message.into_vec()) {
+                        Ok((seq, batch)) => sequencer.live(seq, batch),
+                        Err(e) => {
+                            app.stats.malformed(1);
+                            eprintln!(
+                                "sgl-indexer: {} rank {}: malformed event frames dropped: {e}",
+                                sub.worker, sub.rank
+                            );
+                            continue;
+                        }
+                    }
+                }
                 Ok(Err(e)) => {
                     eprintln!("sgl-indexer: {} rank {}: subscription broke: {e}", sub.worker, sub.rank);
                     break;
@@ -262,6 +293,7 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
                                 );
                             }
                             Dropped::Overflow => app.stats.repair_overflows(1),
+                            Dropped::Reconnected => app.stats.reconnects(1),
                         }
                         app.clear(&sub.worker, Some(sub.rank));
                     }
@@ -363,6 +395,19 @@ mod tests {
         let mut s = Sequencer::new(true);
         s.live(0, b(0.0));
         assert_eq!(s.live(MAX_REPLAY_BATCHES + 2, b(1.0))[0], Step::Drop(Dropped::Unrepaired), "too large to ask");
+    }
+
+    /// A restarted publisher may be past our sequence by the time we reconnect: after a new
+    /// connection the rank starts over from the engine's replay.
+    #[test]
+    fn a_new_connection_drops_the_rank_and_starts_over_from_replay() {
+        let mut s = Sequencer::new(true);
+        s.live(0, b(0.0));
+        s.live(1, b(1.0));
+        s.reconnected();
+        assert_eq!(s.live(5, b(5.0)), [Step::Drop(Dropped::Reconnected), Step::Repair { from: 0, until: 5 }]);
+        assert_eq!(applied(&s.replayed(Some(vec![(4, b(4.0))]))), [4.0, 5.0]);
+        assert_eq!(applied(&s.live(6, b(6.0))), [6.0], "and then goes on as usual");
     }
 
     /// A replay that never answers cannot make the rank hold live batches without end.

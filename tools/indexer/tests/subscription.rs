@@ -344,3 +344,97 @@ fn an_engine_declaring_a_huge_frame_is_cut_off_and_the_indexer_lives() {
     assert!(indexer.alive(), "the indexer survived");
     assert_eq!(indexer.post("/query", &json!({"model": "m", "token_ids": [1, 2, 3, 4]})).0, 200);
 }
+
+/// SGLang's own `ZmqEventPublisher` (from its wheel, `scripts/setup --tests`), run by
+/// `sglang_publisher.py` and fed batches over stdin.
+struct SglangPublisher {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl SglangPublisher {
+    fn start(events: u16, replay: u16) -> Self {
+        use std::io::BufRead;
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let module = root.join(".tools/sglang/sglang/srt/disaggregation/kv_events.py");
+        let python = root.join(".venv/bin/python");
+        assert!(module.exists() && python.exists(), "run scripts/setup --tests: it unpacks SGLang's publisher");
+        let mut child = Command::new(python)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sglang_publisher.py"))
+            .args([module.to_str().unwrap(), &events.to_string(), &replay.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ready");
+        Self { child, stdin, stdout }
+    }
+
+    fn publish(&mut self, events: Value) {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{}", json!({"events": events})).unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "published");
+    }
+}
+
+impl Drop for SglangPublisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Pages of one token as SGLang publishes them (page size 1), chained by parent hash.
+fn sglang_pages(first_hash: i64, parent: Option<i64>, tokens: &[u32]) -> Vec<Value> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let hash = first_hash + i as i64;
+            let parent = if i == 0 { parent } else { Some(hash - 1) };
+            json!({"type": "BlockStored", "block_hashes": [hash], "parent_block_hash": parent,
+                   "token_ids": [t], "block_size": 1})
+        })
+        .collect()
+}
+
+/// Interop with the real thing: a late join repaired from SGLang's replay ROUTER (which answers
+/// with a topic frame), live stores and removals in its encoding, and a restarted publisher.
+#[test]
+fn sglangs_own_publisher_late_join_replay_removal_and_restart() {
+    let (events, replay) = (free_port(), free_port());
+    let mut publisher = SglangPublisher::start(events, replay);
+    let first: Vec<u32> = (1..=8).collect();
+    publisher.publish(json!(sglang_pages(-7_000_000_000_000, None, &first)));
+    let indexer = start_indexer(events, replay);
+    wait("the batch published before the indexer existed, by replay", || {
+        publisher.publish(json!([]));
+        indexer.matched(&first) == 8
+    });
+    // The page that completed the second block of 4 tokens.
+    publisher.publish(json!([{"type": "BlockRemoved", "block_hashes": [-7_000_000_000_000i64 + 7]}]));
+    wait("the removal", || indexer.matched(&first) == 4);
+    drop(publisher);
+    let mut restarted = SglangPublisher::start(events, replay);
+    let second: Vec<u32> = (50..58).collect();
+    wait("the restarted publisher's first batch", || {
+        restarted.publish(json!(sglang_pages(1, None, &second)));
+        indexer.matched(&second) == 8
+    });
+    assert_eq!(indexer.matched(&first), 0, "what the old publisher said is void");
+    let metrics = indexer.metrics();
+    for counter in ["sgl_indexer_unrepaired_gaps_total 0", "sgl_indexer_malformed_total 0"] {
+        assert!(metrics.contains(counter), "{counter} in:\n{metrics}");
+    }
+    let replayed =
+        metrics.lines().find_map(|l| l.strip_prefix("sgl_indexer_replayed_batches_total ")?.parse::<u64>().ok());
+    assert!(replayed.is_some_and(|n| n >= 1), "{metrics}");
+}
