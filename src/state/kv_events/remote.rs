@@ -44,6 +44,8 @@ pub type IndexerAnswer = Result<IndexerMatch, String>;
 /// On a match call: the caller sends a routed notice after every decision on the answer, so the
 /// indexer may hold concurrent queries sharing the prefix until it arrives (its "claims").
 pub const ROUTED_NOTICE_HEADER: &str = "x-sgl-routed-notice";
+/// The largest body the indexer reads (it answers 413 above it).
+pub const MAX_INDEXER_BODY_BYTES: usize = 4 << 20;
 
 fn answer_json(status: Option<u16>, body: &[u8]) -> Result<Value, String> {
     match status {
@@ -140,6 +142,15 @@ impl IndexerClient {
         Self { api, callouts, cluster, authority, timeout_ms, max_in_flight, in_flight: Arc::default(), token }
     }
 
+    /// Every POST to the indexer carries the token, when one is configured (spec §7).
+    fn headers(&self) -> Vec<(String, String)> {
+        let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
+        if let Some((name, value)) = &self.token {
+            headers.push((name.clone(), value.clone()));
+        }
+        headers
+    }
+
     /// Whether this indexer tokenizes chat bodies itself (ours does; Dynamo's takes token ids only).
     pub fn tokenizes_chat(&self) -> bool {
         self.api == IndexerApi::Sgl
@@ -173,12 +184,16 @@ impl IndexerClient {
         body: Vec<u8>,
         parse: impl FnOnce(Option<u16>, &[u8]) -> IndexerAnswer + Send + 'static,
     ) -> crate::host::BoxFuture<'static, IndexerAnswer> {
+        if body.len() > MAX_INDEXER_BODY_BYTES {
+            // The indexer would answer 413: route on the estimate without asking.
+            return Box::pin(std::future::ready(Err("the request is larger than the indexer reads".to_string())));
+        }
         if self.in_flight.fetch_add(1, Ordering::Relaxed) >= self.max_in_flight {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             return Box::pin(std::future::ready(Err("the indexer's concurrency cap is reached".to_string())));
         }
         let slot = Slot(Arc::clone(&self.in_flight));
-        let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
+        let mut headers = self.headers();
         if will_notify {
             headers.push((ROUTED_NOTICE_HEADER.to_string(), "1".to_string()));
         }
@@ -204,10 +219,7 @@ impl IndexerClient {
 
     /// The fire-and-forget notice that `worker` got the request behind `handle`.
     pub fn routed_notice(&self, handle: &str, worker: &str) -> CalloutRequest {
-        let mut headers = vec![("content-type".to_string(), "application/json".to_string())];
-        if let Some((name, value)) = &self.token {
-            headers.push((name.clone(), value.clone()));
-        }
+        let headers = self.headers();
         CalloutRequest {
             cluster: self.cluster.clone(),
             method: "POST".to_string(),
@@ -256,6 +268,28 @@ mod tests {
             assert_eq!((body[field].as_str(), body["token_ids"].clone()), (Some("m"), serde_json::json!([1, 2, 3])));
             assert_eq!(sent.headers.iter().any(|(k, _)| k == ROUTED_NOTICE_HEADER), notice);
         }
+    }
+
+    /// With a token configured the indexer refuses every POST without it: the match callouts
+    /// carry it too, not only the routed notice. A body the indexer would refuse is not sent.
+    #[test]
+    fn every_callout_carries_the_token_and_a_body_over_four_mib_is_not_sent() {
+        let callouts = Arc::new(MemoryCallouts::default());
+        let token = Some(("x-indexer-token".to_string(), "s3cret".to_string()));
+        let c = IndexerClient::new(callouts.clone(), "c".into(), "h:1".into(), 50, 8, token, IndexerApi::Sgl);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut at_limit = c.match_chat(&vec![b' '; MAX_INDEXER_BODY_BYTES]);
+        assert!(at_limit.as_mut().poll(&mut cx).is_pending());
+        let mut tokens = c.match_tokens("m", &[1, 2]);
+        assert!(tokens.as_mut().poll(&mut cx).is_pending());
+        let notice = c.routed_notice("1", "A");
+        let sent = callouts.sent.lock().unwrap().clone();
+        for request in sent.iter().map(|(_, r)| r).chain([&notice]) {
+            assert!(request.headers.contains(&("x-indexer-token".into(), "s3cret".into())), "{}", request.path);
+        }
+        let over = now(c.match_chat(&vec![b' '; MAX_INDEXER_BODY_BYTES + 1]));
+        assert!(over.unwrap_err().contains("larger"));
+        assert_eq!(callouts.sent.lock().unwrap().len(), 2, "not sent");
     }
 
     #[test]

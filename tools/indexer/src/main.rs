@@ -6,10 +6,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use sgl_envoy_router::config;
-use sgl_indexer::state::{App, DEFAULT_MAX_PAGES};
+use sgl_indexer::state::{App, MemoryBudget, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_MEMORY_MB};
 use sgl_indexer::{http, subscriber};
 
 #[derive(Debug, Parser)]
@@ -18,17 +19,50 @@ struct Args {
     /// The router configuration (YAML or JSON), the same the filter and the CLI read.
     #[arg(long)]
     config: PathBuf,
+    /// Where to listen. A non-loopback address needs `prefix_index.token` (or `--insecure`).
     #[arg(long, default_value = "127.0.0.1:9100")]
     listen: SocketAddr,
-    /// Engine pages kept across all models (about 190 bytes each); the oldest go first.
-    #[arg(long, default_value_t = DEFAULT_MAX_PAGES)]
-    max_pages: usize,
+    /// Memory for the index and its caches, in MiB: 3/4 for engine pages (about 190 bytes each,
+    /// measured), 1/8 for the tokenizers' piece caches, 1/16 for match handles, 1/16 for
+    /// speculative entries.
+    #[arg(long, default_value_t = DEFAULT_MAX_MEMORY_MB)]
+    max_memory_mb: usize,
+    /// Engine pages kept across all models, instead of the memory budget's 3/4 (about 190 bytes
+    /// per page with its share of the holder table, measured by indexer-bench); oldest go first.
+    #[arg(long)]
+    max_pages: Option<usize>,
+    /// Queries that tokenize or match at once; the others wait, no longer than the filter does.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONCURRENT)]
+    max_concurrent: usize,
+    /// Listen beyond loopback without a token: anyone who reaches the port can steer routing.
+    #[arg(long)]
+    insecure: bool,
 }
 
 fn load(path: &PathBuf) -> Result<config::RouterConfig, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let value: serde_json::Value = serde_yaml_ng::from_str(&text).map_err(|e| format!("(document): {e}"))?;
     config::from_value(value).map_err(|errors| errors.0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))
+}
+
+// A panic is caught per request and answered 500 (`http::router`); with `panic = "abort"` it would
+// end the process, and every engine subscription and the index with it.
+const _: () = assert!(cfg!(panic = "unwind"), "sgl-indexer must be built with panic = \"unwind\"");
+
+/// How often speculative entries past their time are dropped.
+const EXPIRY_PERIOD: Duration = Duration::from_millis(100);
+
+/// Refuses what would let anyone write to the index: a non-loopback listener without a token.
+fn check_trust(args: &Args, config: &config::RouterConfig) -> Result<(), String> {
+    let token = config.prefix_index.as_ref().is_some_and(|p| p.token.is_some());
+    if args.listen.ip().is_loopback() || token || args.insecure {
+        return Ok(());
+    }
+    Err(format!(
+        "refusing to listen on {} without prefix_index.token: anyone reaching it could steer routing \
+         (set a token, listen on loopback, or pass --insecure)",
+        args.listen
+    ))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -41,8 +75,16 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let app = match App::load(config, args.max_pages) {
-        Ok(app) => Arc::new(app),
+    if let Err(e) = check_trust(&args, &config) {
+        eprintln!("sgl-indexer: {e}");
+        return ExitCode::from(2);
+    }
+    let mut budget = MemoryBudget::from_mb(args.max_memory_mb, &config);
+    if let Some(pages) = args.max_pages {
+        budget.index_pages = pages.max(1);
+    }
+    let app = match App::load(config, budget) {
+        Ok(app) => Arc::new(app.with_max_concurrent(args.max_concurrent)),
         Err(e) => {
             eprintln!("sgl-indexer: {e}");
             return ExitCode::from(1);
@@ -53,6 +95,14 @@ async fn main() -> ExitCode {
     for sub in subs {
         tokio::spawn(subscriber::run(sub, Arc::clone(&app)));
     }
+    let expiring = Arc::clone(&app);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(EXPIRY_PERIOD);
+        loop {
+            every.tick().await;
+            expiring.expire_speculative();
+        }
+    });
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -67,5 +117,39 @@ async fn main() -> ExitCode {
             eprintln!("sgl-indexer: server stopped: {e}");
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(token: bool) -> config::RouterConfig {
+        let token = if token { r#", "token_header": "x-t", "token": "s""# } else { "" };
+        config::parse_and_validate(&format!(
+            r#"{{"workers": [{{"id": "A", "url": "http://127.0.0.1:1", "model": "m"}}],
+                "prefix_index": {{"url": "http://127.0.0.1:9"{token}}},
+                "models": {{"m": {{"buckets": [{{"id": "b", "groups": {{"plain": {{"policy": {{"type": "random"}}}}}}}}]}}}}}}"#
+        ))
+        .unwrap()
+    }
+
+    fn args(listen: &str, insecure: bool) -> Args {
+        let mut argv = vec!["sgl-indexer", "--config", "x.yaml", "--listen", listen];
+        if insecure {
+            argv.push("--insecure");
+        }
+        Args::parse_from(argv)
+    }
+
+    /// The index steers traffic: beyond loopback it takes a token, or an explicit --insecure.
+    #[test]
+    fn beyond_loopback_a_token_or_insecure_is_required() {
+        assert!(check_trust(&args("0.0.0.0:9100", false), &config(false)).is_err());
+        assert!(check_trust(&args("[::]:9100", false), &config(false)).is_err());
+        assert!(check_trust(&args("0.0.0.0:9100", false), &config(true)).is_ok());
+        assert!(check_trust(&args("0.0.0.0:9100", true), &config(false)).is_ok());
+        assert!(check_trust(&args("127.0.0.1:9100", false), &config(false)).is_ok());
+        assert!(check_trust(&args("[::1]:9100", false), &config(false)).is_ok());
     }
 }
