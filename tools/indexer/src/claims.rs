@@ -9,6 +9,10 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
+/// Claims open at once per model: each holds the queries sharing its prefix for a moment, so a
+/// caller making matches without routing them must not be able to hold everyone.
+pub const MAX_CLAIMS_PER_MODEL: usize = 256;
+
 #[derive(Debug)]
 struct Claim {
     handle: u64,
@@ -70,7 +74,7 @@ impl Claims {
             }
         }
         let uncovered = (keys.len() as u64 * self.block_tokens).saturating_sub(best_tokens);
-        if let Some(handle) = claims_as.filter(|_| uncovered >= gain) {
+        if let Some(handle) = claims_as.filter(|_| uncovered >= gain && claims.len() < MAX_CLAIMS_PER_MODEL) {
             let (routed, _) = watch::channel(false);
             claims.push(Claim { handle, keys: Arc::clone(keys), until_ms: now_ms + self.window_ms, routed });
         }
@@ -135,6 +139,16 @@ mod tests {
         // The window passes without a notice.
         assert!(matches!(c.turn("m", &keys(0..10), 0, None, true, 1020), Turn::Go));
         assert_eq!(c.open(1020), 0);
+    }
+
+    #[test]
+    fn open_claims_per_model_are_capped() {
+        let c = claims();
+        for handle in 0..MAX_CLAIMS_PER_MODEL as u64 + 10 {
+            let k: Arc<[u64]> = (handle * 1000..handle * 1000 + 100).collect::<Vec<_>>().into();
+            assert!(matches!(c.turn("m", &k, 0, Some(handle), false, 1000), Turn::Go));
+        }
+        assert_eq!(c.open(1000), MAX_CLAIMS_PER_MODEL);
     }
 
     #[test]

@@ -17,6 +17,9 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::events::{EngineHash, KvEvent, Medium, StoredBlocks};
 
+/// Speculative entries (block, engine) held at most, unless the memory budget says otherwise.
+pub const MAX_SPECULATIVE: usize = 1 << 20;
+
 /// The running hash of a chain at a page boundary: the blocks before it, and the tokens of the
 /// block being filled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,11 +82,23 @@ struct Page {
     completes: Vec<u64>,
 }
 
-/// The pages one engine rank published, in arrival order for eviction.
+/// The pages one engine rank published, in arrival order for eviction. A removed page leaves its
+/// id in `order` (finding it there would cost a scan); `order` is compacted whenever it holds
+/// twice as many ids as there are pages, so churn cannot grow it.
 #[derive(Debug, Default)]
 struct Source {
     pages: HashMap<(EngineHash, Medium), Page>,
     order: VecDeque<(EngineHash, Medium)>,
+}
+
+impl Source {
+    fn remember(&mut self, id: (EngineHash, Medium)) {
+        self.order.push_back(id);
+        if self.order.len() > 2 * self.pages.len() + 64 {
+            let pages = &self.pages;
+            self.order.retain(|id| pages.contains_key(id));
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +129,10 @@ pub struct Index {
     holders: HashMap<u64, Vec<Holder>>,
     /// Blocks a router just sent to an engine, before the engine's own event: key → (engine, until).
     speculative: HashMap<u64, Vec<(u32, u64)>>,
+    /// Every speculative entry as (until, key, engine), in the order they expire: one TTL for all,
+    /// so arrival order is expiry order and expiring costs what expires, not a scan.
+    expiries: VecDeque<(u64, u64, u32)>,
+    max_speculative: usize,
     pages: usize,
     pub counters: Counters,
 }
@@ -146,9 +165,17 @@ impl Index {
             sources: HashMap::new(),
             holders: HashMap::new(),
             speculative: HashMap::new(),
+            expiries: VecDeque::new(),
+            max_speculative: MAX_SPECULATIVE,
             pages: 0,
             counters: Counters::default(),
         }
+    }
+
+    /// Bounds the speculative entries (default [`MAX_SPECULATIVE`]).
+    pub fn with_max_speculative(mut self, entries: usize) -> Self {
+        self.max_speculative = entries.max(1);
+        self
     }
 
     pub fn block_tokens(&self) -> u32 {
@@ -211,7 +238,7 @@ impl Index {
             }
             let id = (*hash, stored.medium);
             if source.pages.insert(id, Page { after: chain, completes }).is_none() {
-                source.order.push_back(id);
+                source.remember(id);
                 added += 1;
             }
         }
@@ -288,6 +315,7 @@ impl Index {
 
     /// A router sent these blocks to `engine`: it will hold them as soon as it prefilled, before
     /// its event says so. Held until `until_ms` unless the engine's own event confirms them.
+    /// Past its bound on speculative entries the oldest go first, whatever their time.
     pub fn add_speculative(&mut self, engine: &str, keys: &[u64], until_ms: u64) {
         let e = self.engine_id(engine);
         for key in keys {
@@ -299,15 +327,32 @@ impl Index {
                     self.counters.speculative_added += 1;
                 }
             }
+            self.expiries.push_back((until_ms, *key, e));
+        }
+        while self.expiries.len() > self.max_speculative {
+            if let Some((until, key, e)) = self.expiries.pop_front() {
+                self.drop_speculative(key, e, until);
+            }
         }
     }
 
-    /// Drops speculative entries past their time.
+    /// Drops speculative entries past their time (the indexer runs it on a timer).
     pub fn expire_speculative(&mut self, now_ms: u64) {
-        self.speculative.retain(|_, v| {
-            v.retain(|(_, until)| *until > now_ms);
-            !v.is_empty()
-        });
+        while self.expiries.front().is_some_and(|(until, _, _)| *until <= now_ms) {
+            if let Some((until, key, e)) = self.expiries.pop_front() {
+                self.drop_speculative(key, e, until);
+            }
+        }
+    }
+
+    /// Drops `key`'s entry for engine `e` unless a later notice renewed it past `until`.
+    fn drop_speculative(&mut self, key: u64, e: u32, until: u64) {
+        if let Some(entry) = self.speculative.get_mut(&key) {
+            entry.retain(|(x, u)| *x != e || *u > until);
+            if entry.is_empty() {
+                self.speculative.remove(&key);
+            }
+        }
     }
 
     /// What every engine holds of the prefix these keys spell, longest first per engine. Only the
@@ -553,6 +598,36 @@ mod tests {
         assert!(index.counters.evicted_pages >= 136);
         let recent: Vec<u32> = (396..400).collect();
         assert_eq!(matched(&index, &recent).len(), 2, "the newest pages survive");
+    }
+
+    #[test]
+    fn speculative_entries_expire_in_order_renewals_survive_and_the_total_is_capped() {
+        let mut index = Index::new(4, 1000);
+        index.add_speculative("B", &[1, 2, 3], 100);
+        index.add_speculative("B", &[2], 300);
+        index.expire_speculative(100);
+        assert_eq!(index.speculative_blocks(), 1, "the renewed block stays");
+        index.expire_speculative(300);
+        assert_eq!((index.speculative_blocks(), index.expiries.len()), (0, 0));
+        let keys: Vec<u64> = (0..MAX_SPECULATIVE as u64 + 10).collect();
+        index.add_speculative("B", &keys, 1_000);
+        assert_eq!((index.speculative_blocks(), index.expiries.len()), (MAX_SPECULATIVE, MAX_SPECULATIVE));
+    }
+
+    /// Stored and removed pages once left their ids in the eviction order for good: on a
+    /// page-size-1 engine, one id per token ever stored.
+    #[test]
+    fn churn_does_not_grow_the_eviction_order() {
+        let mut index = Index::new(4, 1 << 20);
+        for i in 0..100_000u64 {
+            index.apply("A", 0, &stored(&[i], None, &[i as u32], 1));
+            if i >= 10 {
+                index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![i - 10], medium: Medium::Gpu });
+            }
+        }
+        let source = &index.sources[&(0, 0)];
+        assert_eq!(source.pages.len(), 10);
+        assert!(source.order.len() <= 2 * 10 + 65, "{} ids in the order", source.order.len());
     }
 
     #[test]

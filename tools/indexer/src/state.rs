@@ -4,8 +4,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sgl_envoy_router::config::{CacheSourceKind, RouterConfig};
 
@@ -14,14 +14,56 @@ use crate::events::EventBatch;
 use crate::index::{block_keys, Counters, EngineMatch, Index};
 use crate::tokenize::{ModelTokenizer, TokenizeError};
 
-/// Engine pages the indexer keeps in all models together (about 190 bytes each: 8 Mi pages ≈ 1.5 GiB).
-pub const DEFAULT_MAX_PAGES: usize = 8 << 20;
+/// Queries that tokenize or match at once, by default (`--max-concurrent`): the work is CPU, so
+/// more at once only makes each one later.
+pub const DEFAULT_MAX_CONCURRENT: usize = 8;
+/// What the indexer may hold, by default, across its index and caches (`--max-memory-mb`).
+pub const DEFAULT_MAX_MEMORY_MB: usize = 1024;
+/// What one engine page costs the index with its share of the holder table, measured by
+/// `indexer-bench` (docs/reliability.md): the index's share of the budget divided by this is its
+/// page limit.
+pub const BYTES_PER_PAGE: usize = 190;
+/// What one speculative entry costs: its place in the expiry queue and in the map.
+const BYTES_PER_SPECULATIVE: usize = 64;
+/// What a match handle costs beyond its keys.
+const HANDLE_OVERHEAD: usize = 64;
 /// How long a routed notice's blocks count for their engine before its own event confirms them.
 pub const SPECULATIVE_TTL_MS: u64 = 2_000;
-/// Match handles kept for routed notices.
-const HANDLES: usize = 4096;
-/// Blocks one routed notice may add.
+/// Blocks one routed notice may add (and so the keys a match handle keeps).
 pub const MAX_ROUTED_BLOCKS: usize = 1 << 14;
+
+/// One memory budget in bytes, split across what grows with traffic: the index's pages (3/4), the
+/// tokenizers' piece caches (1/8, shared by the models that tokenize), the match handles routed
+/// notices name (1/16) and the speculative entries (1/16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryBudget {
+    pub index_pages: usize,
+    pub piece_cache_bytes: usize,
+    pub handle_bytes: usize,
+    pub speculative_entries: usize,
+}
+
+impl MemoryBudget {
+    pub fn new(total_bytes: usize, tokenizing_models: usize) -> Self {
+        Self {
+            index_pages: (total_bytes / 4 * 3 / BYTES_PER_PAGE).max(1),
+            piece_cache_bytes: total_bytes / 8 / tokenizing_models.max(1),
+            handle_bytes: total_bytes / 16,
+            speculative_entries: (total_bytes / 16 / BYTES_PER_SPECULATIVE).max(1),
+        }
+    }
+
+    pub fn from_mb(mb: usize, config: &RouterConfig) -> Self {
+        let tokenizing = config.models.values().filter(|m| m.tokenizer.is_some()).count();
+        Self::new(mb.saturating_mul(1 << 20), tokenizing)
+    }
+}
+
+/// A lock whose holder panicked is still used: the indexer unwinds and answers on (a panic is
+/// caught per request), and a poisoned index would otherwise refuse every query from then on.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// How long a claim may hold the queries sharing its prefix when its notice is late: half the
 /// filter's `timeout_ms`, so a held query still answers before the filter gives up on it.
@@ -56,6 +98,13 @@ pub struct Stats {
     pub oversized: Arc<AtomicU64>,
     pub repair_overflows: AtomicU64,
     pub reconnects: AtomicU64,
+    /// Requests that panicked (answered 500; shared with the catch layer).
+    pub panics: Arc<AtomicU64>,
+    pub unauthorized: AtomicU64,
+    /// Queries refused for want of capacity before their deadline.
+    pub shed: AtomicU64,
+    /// Tokenizations given up past their deadline.
+    pub abandoned: AtomicU64,
 }
 
 macro_rules! counter {
@@ -75,11 +124,27 @@ counter!(subscribed => subscribed, malformed => malformed, gaps => gaps, replaye
 /// A recent match a routed notice can name: (handle, model, block keys).
 type Handle = (u64, String, Arc<[u64]>);
 
+/// The recent handles, within their share of the budget.
+#[derive(Debug, Default)]
+struct Handles {
+    recent: VecDeque<Handle>,
+    bytes: usize,
+}
+
+fn handle_bytes((_, model, keys): &Handle) -> usize {
+    HANDLE_OVERHEAD + model.len() + std::mem::size_of_val(&**keys)
+}
+
 pub struct App {
     pub block_tokens: u32,
     indexes: Mutex<HashMap<String, Index>>,
     worker_model: HashMap<String, String>,
-    handles: Mutex<VecDeque<Handle>>,
+    handles: Mutex<Handles>,
+    budget: MemoryBudget,
+    /// Permits for matching work (tokenizing, matching): a query waits for one until its deadline.
+    pub work: tokio::sync::Semaphore,
+    /// How long a caller waits for an answer: the filter's `timeout_ms`.
+    patience: Duration,
     claims: Claims,
     tokenizers: HashMap<String, ModelTokenizer>,
     next_handle: AtomicU64,
@@ -90,7 +155,7 @@ pub struct App {
 impl App {
     /// Loads every configured tokenizer and chat template; a model whose files do not load is a
     /// startup error, never a request-time one.
-    pub fn load(config: RouterConfig, max_pages: usize) -> Result<Self, TokenizeError> {
+    pub fn load(config: RouterConfig, budget: MemoryBudget) -> Result<Self, TokenizeError> {
         let mut tokenizers = HashMap::new();
         for (name, model) in &config.models {
             let Some(tokenizer) = &model.tokenizer else { continue };
@@ -101,25 +166,36 @@ impl App {
             };
             let loaded = ModelTokenizer::load(tokenizer, &template)
                 .map_err(|e| TokenizeError::Load(format!("models.{name}: {e}")))?;
-            tokenizers.insert(name.clone(), loaded);
+            tokenizers.insert(name.clone(), loaded.with_cache_budget(budget.piece_cache_bytes));
         }
-        let mut app = Self::new(config, max_pages);
+        let mut app = Self::new(config, budget);
         app.tokenizers = tokenizers;
         Ok(app)
     }
 
-    /// The chat body as the engine will tokenize it.
-    pub fn tokenize_chat(&self, model: &str, chat: &serde_json::Value) -> Result<Vec<u32>, TokenizeError> {
+    /// The chat body as the engine will tokenize it, given up once `deadline` passed.
+    pub fn tokenize_chat(
+        &self,
+        model: &str,
+        chat: &serde_json::Value,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<u32>, TokenizeError> {
         if !self.serves(model) {
             return Err(TokenizeError::UnknownModel(model.to_string()));
         }
-        self.tokenizers.get(model).ok_or_else(|| TokenizeError::NoTokenizer(model.to_string()))?.tokenize_chat(chat)
+        let tokenizer = self.tokenizers.get(model).ok_or_else(|| TokenizeError::NoTokenizer(model.to_string()))?;
+        tokenizer.tokenize_chat_until(chat, deadline)
     }
 
-    pub fn new(config: RouterConfig, max_pages: usize) -> Self {
+    pub fn new(config: RouterConfig, budget: MemoryBudget) -> Self {
         let block_tokens = config.prefix_index.as_ref().map_or(16, |p| p.block_tokens).clamp(1, 1 << 16) as u32;
-        let per_model = max_pages / config.models.len().max(1);
-        let indexes = config.models.keys().map(|m| (m.clone(), Index::new(block_tokens, per_model))).collect();
+        let models = config.models.len().max(1);
+        let (pages, speculative) = (budget.index_pages / models, budget.speculative_entries / models);
+        let indexes = config
+            .models
+            .keys()
+            .map(|m| (m.clone(), Index::new(block_tokens, pages).with_max_speculative(speculative)))
+            .collect();
         let worker_model = config.workers.iter().map(|w| (w.id.clone(), w.model.clone())).collect();
         // A claim matters only to policies reading this index, and only by a gain they count as a hit.
         let min_gain = config
@@ -135,7 +211,10 @@ impl App {
             block_tokens,
             indexes: Mutex::new(indexes),
             worker_model,
-            handles: Mutex::new(VecDeque::new()),
+            handles: Mutex::default(),
+            budget,
+            work: tokio::sync::Semaphore::new(DEFAULT_MAX_CONCURRENT),
+            patience: Duration::from_millis(config.prefix_index.as_ref().map_or(50, |p| p.timeout_ms).max(1)),
             tokenizers: HashMap::new(),
             next_handle: AtomicU64::new(now_ms() << 16),
             stats: Stats::default(),
@@ -144,8 +223,44 @@ impl App {
     }
 
     fn with_index<R>(&self, model: &str, f: impl FnOnce(&mut Index) -> R) -> Option<R> {
-        let mut indexes = self.indexes.lock().ok()?;
-        indexes.get_mut(model).map(f)
+        lock(&self.indexes).get_mut(model).map(f)
+    }
+
+    /// At most `permits` queries tokenize or match at once.
+    pub fn with_max_concurrent(mut self, permits: usize) -> Self {
+        self.work = tokio::sync::Semaphore::new(permits.max(1));
+        self
+    }
+
+    /// When a query arriving now stops being worth answering: the filter has given up on it.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.patience
+    }
+
+    /// Whether a request bears the configured token (always, when none is configured). Compared
+    /// in constant time.
+    pub fn authorized(&self, headers: &axum::http::HeaderMap) -> bool {
+        let Some((header, token)) =
+            self.config.prefix_index.as_ref().and_then(|p| p.token_header.as_ref().zip(p.token.as_ref()))
+        else {
+            return true;
+        };
+        let given = headers.get(header.as_str()).map(|v| v.as_bytes()).unwrap_or_default();
+        bool::from(subtle::ConstantTimeEq::ct_eq(given, token.as_bytes()))
+    }
+
+    pub fn budget(&self) -> MemoryBudget {
+        self.budget
+    }
+
+    /// What the piece caches hold now, in bytes.
+    pub fn piece_cache_bytes(&self) -> usize {
+        self.tokenizers.values().map(ModelTokenizer::cache_bytes).sum()
+    }
+
+    /// What the match handles hold now, in bytes.
+    pub fn handle_bytes(&self) -> usize {
+        lock(&self.handles).bytes
     }
 
     /// Applies one rank's batch to its worker's model.
@@ -175,10 +290,16 @@ impl App {
 
     fn matches(&self, model: &str, keys: &[u64]) -> Option<Vec<(String, EngineMatch)>> {
         let now = now_ms();
-        self.with_index(model, |index| {
+        self.with_index(model, |index| index.match_keys(keys, now))
+    }
+
+    /// Drops speculative entries past their time, in every model (run on a timer: a match reads
+    /// only live entries, so none waits for this).
+    pub fn expire_speculative(&self) {
+        let now = now_ms();
+        for index in lock(&self.indexes).values_mut() {
             index.expire_speculative(now);
-            index.match_keys(keys, now)
-        })
+        }
     }
 
     /// Matches `tokens` in `model`'s namespace; returns every engine's match and a handle a routed
@@ -216,11 +337,15 @@ impl App {
             }
             Some(_) => self.stats.hits_speculative.fetch_add(1, Ordering::Relaxed),
         };
-        if let Ok(mut handles) = self.handles.lock() {
-            handles.push_back((handle, model.to_string(), keys));
-            while handles.len() > HANDLES {
-                handles.pop_front();
-            }
+        // A notice adds at most MAX_ROUTED_BLOCKS blocks: the handle keeps no more keys than that.
+        let kept: Arc<[u64]> = if keys.len() > MAX_ROUTED_BLOCKS { keys[..MAX_ROUTED_BLOCKS].into() } else { keys };
+        let mut handles = lock(&self.handles);
+        let entry = (handle, model.to_string(), kept);
+        handles.bytes += handle_bytes(&entry);
+        handles.recent.push_back(entry);
+        while handles.bytes > self.budget.handle_bytes {
+            let Some(old) = handles.recent.pop_front() else { break };
+            handles.bytes -= handle_bytes(&old);
         }
         Some((matches, handle))
     }
@@ -228,17 +353,18 @@ impl App {
     /// A router sent the request behind `handle` to `worker`. `false` when the handle is unknown
     /// (expired) or the worker does not serve that model.
     pub fn routed(&self, handle: u64, worker: &str) -> bool {
-        let found = self.handles.lock().ok().and_then(|h| {
-            h.iter().find(|(id, _, _)| *id == handle).map(|(_, model, keys)| (model.clone(), Arc::clone(keys)))
-        });
+        let found = lock(&self.handles)
+            .recent
+            .iter()
+            .find(|(id, _, _)| *id == handle)
+            .map(|(_, model, keys)| (model.clone(), Arc::clone(keys)));
         let Some((model, keys)) = found else { return false };
         if self.worker_model(worker) != Some(model.as_str()) {
             return false;
         }
-        let keys = &keys[..keys.len().min(MAX_ROUTED_BLOCKS)];
         let until = now_ms() + SPECULATIVE_TTL_MS;
         self.stats.routed_notices.fetch_add(1, Ordering::Relaxed);
-        let applied = self.with_index(&model, |index| index.add_speculative(worker, keys, until)).is_some();
+        let applied = self.with_index(&model, |index| index.add_speculative(worker, &keys, until)).is_some();
         self.claims.routed(handle);
         applied
     }
@@ -251,12 +377,19 @@ impl App {
         let mut line = |name: &str, help: &str, kind: &str, value: u64| {
             out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
         };
-        let gauges: [(&str, &str, u64); 3] = [
+        let gauges: [(&str, &str, u64); 6] = [
             ("sgl_indexer_subscriptions", "engine ranks configured to publish events", load(&s.subscriptions)),
             ("sgl_indexer_subscribed", "engine ranks subscribed at least once", load(&s.subscribed)),
             ("sgl_indexer_claims_open", "matches claimed and not yet routed", self.claims.open(now_ms()) as u64),
+            (
+                "sgl_indexer_piece_cache_bytes",
+                "what the tokenizers' piece caches hold",
+                self.piece_cache_bytes() as u64,
+            ),
+            ("sgl_indexer_handle_bytes", "what the match handles hold", self.handle_bytes() as u64),
+            ("sgl_indexer_max_pages", "the index's page limit, from the memory budget", self.budget.index_pages as u64),
         ];
-        let counters: [(&str, &str, &AtomicU64); 18] = [
+        let counters: [(&str, &str, &AtomicU64); 22] = [
             ("sgl_indexer_batches_total", "event batches applied", &s.batches),
             ("sgl_indexer_malformed_total", "event frames dropped as malformed", &s.malformed),
             ("sgl_indexer_gaps_total", "sequence gaps seen", &s.gaps),
@@ -285,6 +418,10 @@ impl App {
                 "engine connections made anew (the rank starts over from replay)",
                 &s.reconnects,
             ),
+            ("sgl_indexer_panics_total", "requests that panicked (answered 500)", &s.panics),
+            ("sgl_indexer_unauthorized_total", "POSTs refused for a missing or wrong token", &s.unauthorized),
+            ("sgl_indexer_shed_total", "queries refused for want of capacity before their deadline", &s.shed),
+            ("sgl_indexer_abandoned_total", "tokenizations given up past their deadline", &s.abandoned),
             ("sgl_indexer_oversized_total", "engine connections cut for an oversized frame or message", &s.oversized),
             (
                 "sgl_indexer_repair_overflows_total",
@@ -300,11 +437,9 @@ impl App {
         }
         let mut index_totals = Counters::default();
         let mut per_engine = Vec::new();
-        if let Ok(indexes) = self.indexes.lock() {
-            for index in indexes.values() {
-                index_totals.add(&index.counters);
-                per_engine.extend(index.pages_per_engine());
-            }
+        for index in lock(&self.indexes).values() {
+            index_totals.add(&index.counters);
+            per_engine.extend(index.pages_per_engine());
         }
         let index_counters = [
             ("sgl_indexer_events_total", "engine events applied", index_totals.events),
@@ -343,7 +478,34 @@ mod tests {
                 "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}}"#,
         )
         .unwrap();
-        App::new(config, 1000)
+        App::new(config, MemoryBudget::new(64 << 20, 0))
+    }
+
+    /// Handles were capped at 4,096 of any size, each keeping its query's whole key array: 4,096
+    /// queries of a million tokens held 2 GiB. They are bounded in bytes now, and keep no more
+    /// keys than a routed notice may add.
+    #[tokio::test]
+    async fn match_handles_stay_within_their_share_of_the_budget() {
+        let app = app();
+        let budget = app.budget().handle_bytes;
+        let long: Vec<u32> = (0..1_000_000).collect();
+        let mut last = 0;
+        for _ in 0..64 {
+            last = app.match_tokens("m", &long, None, None, false).await.unwrap().1;
+            assert!(app.handle_bytes() <= budget, "{} of {budget} bytes", app.handle_bytes());
+        }
+        assert!(app.handle_bytes() > budget / 2, "the share is used, not wasted");
+        let kept = lock(&app.handles).recent.back().map(|(_, _, keys)| keys.len());
+        assert_eq!(kept, Some(MAX_ROUTED_BLOCKS));
+        assert!(app.routed(last, "A"), "the newest handle is still there");
+    }
+
+    #[test]
+    fn the_budget_splits_into_pages_caches_handles_and_speculative_entries() {
+        let b = MemoryBudget::new(1 << 30, 2);
+        assert_eq!(b.index_pages, (3 << 28) / BYTES_PER_PAGE);
+        assert_eq!((b.piece_cache_bytes, b.handle_bytes), (1 << 26, 1 << 26));
+        assert_eq!(b.speculative_entries, (1 << 26) / 64);
     }
 
     /// The index's own counters were kept "for /metrics" and never reached it.

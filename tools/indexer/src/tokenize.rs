@@ -11,15 +11,19 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
 
 use axum::http::StatusCode;
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-/// Pieces cached per model; past it the cache starts over (no per-piece bookkeeping on the hot
-/// path). Bounds memory to about this many pieces of prompt text and their ids.
-const CACHED_PIECES: usize = 65_536;
+/// Bytes a model's piece cache holds by default (its text, its ids and the entry); past its
+/// budget the cache starts over (no per-piece bookkeeping on the hot path). The indexer sets it
+/// from `--max-memory-mb`.
+pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+/// What a cached piece costs beyond its text and ids: the map entry, the `String` and the `Arc`.
+const PIECE_OVERHEAD: usize = 96;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -33,6 +37,8 @@ pub enum TokenizeError {
     Tokenizer(String),
     #[error("{0}")]
     Load(String),
+    #[error("tokenization abandoned: the caller's deadline passed")]
+    Abandoned,
 }
 
 impl TokenizeError {
@@ -40,6 +46,7 @@ impl TokenizeError {
         match self {
             TokenizeError::UnknownModel(_) => StatusCode::NOT_FOUND,
             TokenizeError::Template(_) => StatusCode::BAD_REQUEST,
+            TokenizeError::Abandoned => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::UNPROCESSABLE_ENTITY,
         }
     }
@@ -53,7 +60,19 @@ pub struct ModelTokenizer {
     specials: Vec<(String, u32)>,
     bos: String,
     eos: String,
-    cache: Mutex<HashMap<String, Piece>>,
+    cache: Mutex<PieceCache>,
+    max_cache_bytes: usize,
+}
+
+#[derive(Default)]
+struct PieceCache {
+    pieces: HashMap<String, Piece>,
+    /// What the ready pieces cost, by [`piece_bytes`].
+    bytes: usize,
+}
+
+fn piece_bytes(text: &str, ids: &[u32]) -> usize {
+    text.len() + std::mem::size_of_val(ids) + PIECE_OVERHEAD
 }
 
 /// A cached piece: its ids, or the encoding another request is doing.
@@ -147,8 +166,20 @@ impl ModelTokenizer {
             specials,
             bos: token_text(config.as_ref(), "bos_token"),
             eos: token_text(config.as_ref(), "eos_token"),
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::default(),
+            max_cache_bytes: DEFAULT_CACHE_BYTES,
         })
+    }
+
+    /// Bounds the piece cache to `bytes`.
+    pub fn with_cache_budget(mut self, bytes: usize) -> Self {
+        self.max_cache_bytes = bytes;
+        self
+    }
+
+    /// What the piece cache holds now, in bytes.
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.lock().map(|c| c.bytes).unwrap_or(0)
     }
 
     /// The prompt the engine will see for this chat body.
@@ -204,8 +235,17 @@ impl ModelTokenizer {
 
     /// Token ids of a rendered prompt, through the piece cache.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_until(text, None)
+    }
+
+    /// [`Self::encode`], given up between pieces once `deadline` passed: a caller that stopped
+    /// waiting gets no answer, and the pieces encoded so far stay cached for the next one.
+    pub fn encode_until(&self, text: &str, deadline: Option<Instant>) -> Result<Vec<u32>, TokenizeError> {
         let mut ids = Vec::with_capacity(text.len() / 3);
         for (piece, special) in self.pieces(text) {
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                return Err(TokenizeError::Abandoned);
+            }
             match special {
                 Some(id) => ids.push(id),
                 None => ids.extend_from_slice(&self.piece_ids(piece)?),
@@ -218,7 +258,7 @@ impl ModelTokenizer {
     fn piece_ids(&self, piece: &str) -> Result<Arc<[u32]>, TokenizeError> {
         let encoding = {
             let mut cache = self.cache.lock().map_err(|_| TokenizeError::Tokenizer("piece cache poisoned".into()))?;
-            match cache.get(piece) {
+            match cache.pieces.get(piece) {
                 Some(Piece::Ready(ids)) => return Ok(Arc::clone(ids)),
                 Some(Piece::Encoding(other)) => {
                     let other = Arc::clone(other);
@@ -226,11 +266,8 @@ impl ModelTokenizer {
                     return other.wait();
                 }
                 None => {
-                    if cache.len() >= CACHED_PIECES {
-                        cache.retain(|_, p| matches!(p, Piece::Encoding(_)));
-                    }
                     let mine = Arc::new(Encoding::default());
-                    cache.insert(piece.to_string(), Piece::Encoding(Arc::clone(&mine)));
+                    cache.pieces.insert(piece.to_string(), Piece::Encoding(Arc::clone(&mine)));
                     mine
                 }
             }
@@ -239,8 +276,23 @@ impl ModelTokenizer {
             self.tokenizer.encode_fast(piece, false).map(|e| e.get_ids().into()).map_err(|e| e.to_string());
         if let Ok(mut cache) = self.cache.lock() {
             match &result {
-                Ok(ids) => cache.insert(piece.to_string(), Piece::Ready(Arc::clone(ids))),
-                Err(_) => cache.remove(piece),
+                Ok(ids) => {
+                    let bytes = piece_bytes(piece, ids);
+                    if cache.bytes + bytes > self.max_cache_bytes {
+                        cache.pieces.retain(|_, p| matches!(p, Piece::Encoding(_)));
+                        cache.bytes = 0;
+                    }
+                    // A piece larger than the whole budget is answered, not kept.
+                    if bytes <= self.max_cache_bytes {
+                        cache.bytes += bytes;
+                        cache.pieces.insert(piece.to_string(), Piece::Ready(Arc::clone(ids)));
+                    } else {
+                        cache.pieces.remove(piece);
+                    }
+                }
+                Err(_) => {
+                    cache.pieces.remove(piece);
+                }
             };
         }
         encoding.finish(result.clone());
@@ -258,7 +310,12 @@ impl ModelTokenizer {
     }
 
     pub fn tokenize_chat(&self, chat: &Value) -> Result<Vec<u32>, TokenizeError> {
-        self.encode(&self.render(chat)?)
+        self.tokenize_chat_until(chat, None)
+    }
+
+    /// [`Self::tokenize_chat`], abandoned past `deadline` (see [`Self::encode_until`]).
+    pub fn tokenize_chat_until(&self, chat: &Value, deadline: Option<Instant>) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_until(&self.render(chat)?, deadline)
     }
 }
 
@@ -320,7 +377,7 @@ mod tests {
         });
         assert!(results.iter().all(|ids| *ids == whole));
         let cache = t.cache.lock().unwrap();
-        assert!(cache.values().all(|p| matches!(p, Piece::Ready(_))), "no encoding left pending");
+        assert!(cache.pieces.values().all(|p| matches!(p, Piece::Ready(_))), "no encoding left pending");
     }
 
     #[test]
@@ -333,8 +390,37 @@ mod tests {
             t.tokenize_chat(&chat).unwrap();
         }
         let cache = t.cache.lock().unwrap();
-        let system_pieces = cache.keys().filter(|k| k.contains("prefix cache")).count();
+        let system_pieces = cache.pieces.keys().filter(|k| k.contains("prefix cache")).count();
         assert_eq!(system_pieces, 1, "one cached piece for the shared system prompt");
+    }
+
+    /// The cache was bounded by 65,536 pieces of any size: 65,536 distinct 1 MiB system prompts
+    /// were 64 GiB. It is bounded in bytes now, at the budget itself.
+    #[test]
+    fn the_piece_cache_is_bounded_in_bytes() {
+        let budget = 200_000;
+        let t = shipped().with_cache_budget(budget);
+        for i in 0..40 {
+            let text = format!("<|im_start|>system\n{i} {}<|im_end|>\n", "distinct words every time ".repeat(400));
+            let whole = t.encode_uncached(&text).unwrap();
+            assert_eq!(t.encode(&text).unwrap(), whole);
+            assert!(t.cache_bytes() <= budget, "{} bytes cached", t.cache_bytes());
+        }
+        assert!(t.cache_bytes() > 0);
+        let huge = "x".repeat(budget * 2);
+        assert_eq!(t.encode(&huge).unwrap(), t.encode_uncached(&huge).unwrap());
+        assert!(t.cache_bytes() <= budget, "a piece above the budget is not kept");
+    }
+
+    #[test]
+    fn tokenization_past_its_deadline_is_abandoned_and_keeps_what_it_encoded() {
+        let t = shipped();
+        let text = "<|im_start|>system\nfirst piece<|im_end|>\n<|im_start|>user\nsecond<|im_end|>\n";
+        let past = Instant::now() - std::time::Duration::from_millis(1);
+        assert!(matches!(t.encode_until(text, Some(past)), Err(TokenizeError::Abandoned)));
+        assert_eq!(TokenizeError::Abandoned.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let later = Instant::now() + std::time::Duration::from_secs(60);
+        assert_eq!(t.encode_until(text, Some(later)).unwrap(), t.encode_uncached(text).unwrap());
     }
 
     #[test]
