@@ -1,5 +1,7 @@
-//! Property-based fuzzing of everything that reads untrusted bytes: the chat body, the router
-//! configuration, every engine load report, and the prefix events filters queue to the service.
+//! Property-based fuzzing of everything in the filter that reads untrusted bytes: the bodies of
+//! all three generation endpoints, the router configuration, every engine load report, and the
+//! prefix events filters queue to the service. (The indexer's readers have their own targets in
+//! `tools/indexer/tests/fuzz.rs`.)
 //! Each property is "never panics, and what it accepts is consistent". Run by `scripts/fuzz`
 //! (ignored in `scripts/test`); `FUZZ_CASES` sets the cases per target (default 1,000,000).
 //! Failing inputs proptest finds are kept in `tests/fuzz.proptest-regressions` and replayed first;
@@ -15,7 +17,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, FileFailurePersistence};
 use serde_json::{json, Map, Value};
 use sgl_envoy_router::config;
-use sgl_envoy_router::server::routes::chat::prepare_chat;
+use sgl_envoy_router::server::routes::chat::{prepare_chat, prepare_endpoint, Endpoint};
 use sgl_envoy_router::state::kv_events::{apply, wire, PrefixEvent, RadixTree};
 use sgl_envoy_router::state::load_monitor::{parse_get_load, parse_prometheus, parse_v1_loads};
 
@@ -103,6 +105,10 @@ const KEYS: &[&str] = &[
     "rank",
     "models",
     "demo",
+    "prompt",
+    "input_ids",
+    "sampling_params",
+    "max_new_tokens",
 ];
 
 fn scalar() -> impl Strategy<Value = Value> {
@@ -164,6 +170,33 @@ fn chat_body() -> impl Strategy<Value = Vec<u8>> {
             body[key] = value;
         }
         body.to_string().into_bytes()
+    })
+}
+
+/// A valid `/v1/completions` or `/generate` body with one field (or one sampling parameter)
+/// replaced by anything, or a prompt of many token ids or many prompts.
+fn endpoint_body() -> impl Strategy<Value = (Endpoint, Vec<u8>)> {
+    let completions = json!({"model": "demo", "prompt": ["a", "bc"], "max_tokens": 8, "n": 2});
+    let generate = json!({"text": "hi", "sampling_params": {"max_new_tokens": 8, "n": 1}});
+    let prompts = prop_oneof![
+        prop::collection::vec(any::<u32>().prop_map(Value::from), 0..64).prop_map(Value::Array),
+        prop::collection::vec(".{0,8}".prop_map(Value::from), 0..1100).prop_map(Value::Array),
+        prop::collection::vec(
+            prop::collection::vec(any::<u16>().prop_map(Value::from), 1..4).prop_map(Value::Array),
+            0..9
+        )
+        .prop_map(Value::Array),
+    ];
+    let value = prop_oneof![json_value(), prompts];
+    (any::<bool>(), prop::sample::select(KEYS), value, any::<bool>()).prop_map(move |(gen, key, value, nested)| {
+        let (endpoint, mut body) =
+            if gen { (Endpoint::Generate, generate.clone()) } else { (Endpoint::Completions, completions.clone()) };
+        if nested && gen {
+            body["sampling_params"][key] = value;
+        } else {
+            body[key] = value;
+        }
+        (endpoint, body.to_string().into_bytes())
     })
 }
 
@@ -243,13 +276,29 @@ proptest! {
     fn the_chat_body_parser_never_panics_and_its_facts_are_consistent(body in prop_oneof![chat_body(), bytes()]) {
         if let Ok((facts, prompt)) = prepare_chat(&body, 4, true) {
             prop_assert!(!facts.model.is_empty());
-            prop_assert!(facts.n >= 1);
+            prop_assert!((1..=128).contains(&facts.n));
             if let Some(peak) = facts.expected_peak_tokens {
                 prop_assert!(peak >= facts.input_tokens);
                 prop_assert_eq!(Some(peak - facts.input_tokens), facts.output_budget);
             }
             // Every message contributes at least its "role: " and line end.
             prop_assert!(prompt.is_some());
+        }
+    }
+
+    #[test]
+    #[ignore = "scripts/fuzz"]
+    fn the_completions_and_generate_parsers_never_panic_and_keep_their_limits(
+        (endpoint, body) in prop_oneof![endpoint_body(), (prop::sample::select(vec![Endpoint::Completions, Endpoint::Generate]), bytes())]
+    ) {
+        if let Ok(prepared) = prepare_endpoint(endpoint, &body, 4, Some("demo"), true) {
+            let facts = prepared.facts;
+            prop_assert!(!facts.model.is_empty());
+            prop_assert!((1..=1024).contains(&facts.n), "{} sequences", facts.n);
+            if let Some(peak) = facts.expected_peak_tokens {
+                prop_assert!(peak >= facts.input_tokens);
+            }
+            prop_assert!(prepared.prompt_text.is_some_and(|t| t.len() <= sgl_envoy_router::server::routes::chat::MAX_PROMPT_BYTES));
         }
     }
 
@@ -313,5 +362,12 @@ fn the_generators_reach_past_the_first_check() {
         .filter(|_| wire::decode::<PrefixEvent>(&prefix_event().new_tree(&mut runner).unwrap().current()).is_ok())
         .count();
     assert!(events > 50, "only {events} of 200 generated prefix events decode");
+    let endpoints = (0..500)
+        .filter(|_| {
+            let (endpoint, body) = endpoint_body().new_tree(&mut runner).unwrap().current();
+            prepare_endpoint(endpoint, &body, 4, Some("demo"), false).is_ok()
+        })
+        .count();
+    assert!(endpoints > 50, "only {endpoints} of 500 generated completions and generate bodies parse");
     let _ = Map::<String, Value>::new();
 }
