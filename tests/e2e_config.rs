@@ -221,7 +221,8 @@ fn the_rendered_snippet_merges_into_an_existing_bootstrap_and_routes_through_it(
         "round robin over both: {served:?}"
     );
     let r = send(&envoy.url("/generate"), "POST", Some(&serde_json::json!({"text": "x"})), &[]);
-    assert_eq!(r.status, 404, "no model serves /generate here: {}", r.body);
+    assert_eq!(r.status, 200, "the only model serves /generate: {}", r.body);
+    assert!(r.header("x-sgl-worker").is_some(), "through the filter's pick");
     // Their own routes, filters and listener still work.
     assert_eq!(send(&envoy.url("/somewhere"), "GET", None, &[]).body, "their own catch-all");
     let legacy = send(&envoy.url("/health"), "GET", None, &[]);
