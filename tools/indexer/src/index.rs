@@ -10,8 +10,8 @@
 //! only to find those pages again.
 //!
 //! Memory is bounded by `max_pages` engine pages in all; past it, the oldest pages of the engine
-//! holding the most go first. A page costs about 190 bytes with its share of the holder table
-//! (measured by `indexer-bench`: 64 engines × 100,000 pages of 16 tokens in 1.1 GiB).
+//! holding the most go first. What a page costs is measured, not assumed: see `BYTES_PER_PAGE` in
+//! `state` and docs/reliability.md.
 
 use std::collections::{HashMap, VecDeque};
 

@@ -19,10 +19,10 @@ use crate::tokenize::{ModelTokenizer, TokenizeError};
 pub const DEFAULT_MAX_CONCURRENT: usize = 8;
 /// What the indexer may hold, by default, across its index and caches (`--max-memory-mb`).
 pub const DEFAULT_MAX_MEMORY_MB: usize = 1024;
-/// What one engine page costs the index with its share of the holder table, measured by
-/// `indexer-bench` (docs/reliability.md): the index's share of the budget divided by this is its
+/// What one engine page costs the indexer's resident memory, measured over the wire by
+/// `indexer-compare` (docs/reliability.md): the index's share of the budget divided by this is its
 /// page limit.
-pub const BYTES_PER_PAGE: usize = 190;
+pub const BYTES_PER_PAGE: usize = 280;
 /// What one speculative entry costs: its place in the expiry queue and in the map.
 const BYTES_PER_SPECULATIVE: usize = 64;
 /// What a match handle costs beyond its keys.
