@@ -133,14 +133,8 @@ mod tests {
     use super::*;
     use crate::testing::test;
 
-    fn poll<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
-        Pin::new(f).poll(&mut Context::from_waker(std::task::Waker::noop()))
-    }
-
-    #[test]
-    fn a_callout_future_resolves_when_its_answer_is_delivered() {
-        let callouts = MemoryCallouts::default();
-        let request = CalloutRequest {
+    fn request() -> CalloutRequest {
+        CalloutRequest {
             cluster: "idx".into(),
             method: "POST".into(),
             path: "/match".into(),
@@ -148,7 +142,17 @@ mod tests {
             headers: vec![],
             body: None,
             timeout_ms: 100,
-        };
+        }
+    }
+
+    fn poll<F: Future + Unpin>(f: &mut F) -> Poll<F::Output> {
+        Pin::new(f).poll(&mut Context::from_waker(std::task::Waker::noop()))
+    }
+
+    #[test]
+    fn a_callout_future_resolves_when_its_answer_is_delivered() {
+        let callouts = MemoryCallouts::default();
+        let request = request();
         let mut future = callouts.dispatch(request).unwrap();
         assert!(poll(&mut future).is_pending());
         assert!(callouts.board().is_outstanding(1));
@@ -163,15 +167,7 @@ mod tests {
     #[test]
     fn a_callout_dropped_unanswered_leaves_the_board() {
         let callouts = MemoryCallouts::default();
-        let request = CalloutRequest {
-            cluster: "idx".into(),
-            method: "POST".into(),
-            path: "/match".into(),
-            authority: "idx".into(),
-            headers: vec![],
-            body: None,
-            timeout_ms: 100,
-        };
+        let request = request();
         let kept = callouts.dispatch(request.clone()).unwrap();
         for _ in 0..100 {
             drop(callouts.dispatch(request.clone()).unwrap());
