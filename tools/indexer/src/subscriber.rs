@@ -216,6 +216,7 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
             }
         }
     };
+    let mut sequencer = Sequencer::new(replay.is_some());
     loop {
         let mut socket = SubSocket::new();
         let connected = match socket.connect(&events).await {
@@ -232,8 +233,9 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
         if first_connection {
             app.stats.subscribed(1);
             first_connection = false;
+        } else {
+            sequencer.reconnected();
         }
-        let mut sequencer = Sequencer::new(replay.is_some());
         let mut seen_connections = connections.load(Ordering::Relaxed);
         let mut repair: Option<Replay> = None;
         loop {
