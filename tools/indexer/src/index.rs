@@ -74,11 +74,10 @@ pub fn block_keys(tokens: &[u32], block_tokens: u32, lora: Option<&str>, salt: O
     keys
 }
 
-/// One engine page: the chain state after it (`None` when its parent was never seen, so nothing
-/// after it can be keyed) and the blocks it completed.
+/// One engine page: the chain state after it and the blocks it completed.
 #[derive(Debug, Clone)]
 struct Page {
-    after: Option<Chain>,
+    after: Chain,
     completes: Vec<u64>,
 }
 
@@ -212,7 +211,7 @@ impl Index {
         let source = self.sources.entry((e, rank)).or_default();
         let mut chain = match stored.parent {
             None => Some(Chain::root(stored.lora.as_deref(), stored.cache_salt.as_deref())),
-            Some(parent) => Medium::ALL.iter().find_map(|m| source.pages.get(&(parent, *m))).and_then(|p| p.after),
+            Some(parent) => Medium::ALL.iter().find_map(|m| source.pages.get(&(parent, *m))).map(|p| p.after),
         };
         let holder = Holder { engine: e, rank, medium: stored.medium };
         let mut added = 0usize;
@@ -220,9 +219,12 @@ impl Index {
             let tokens = stored.token_ids.get(i * stored.block_size..(i + 1) * stored.block_size).unwrap_or_default();
             let mut completes = Vec::new();
             chain = chain.map(|c| c.extend(tokens, block_tokens, |k| completes.push(k)));
-            if chain.is_none() {
+            // A page whose parent was never seen (or was evicted) keys nothing, and neither will its
+            // children: holding it would only push out pages that do.
+            let Some(after) = chain else {
                 self.counters.orphan_pages += 1;
-            }
+                continue;
+            };
             for key in &completes {
                 let hs = self.holders.entry(*key).or_default();
                 if !hs.contains(&holder) {
@@ -237,7 +239,7 @@ impl Index {
                 }
             }
             let id = (*hash, stored.medium);
-            if source.pages.insert(id, Page { after: chain, completes }).is_none() {
+            if source.pages.insert(id, Page { after, completes }).is_none() {
                 source.remember(id);
                 added += 1;
             }
@@ -576,13 +578,17 @@ mod tests {
         assert_eq!(matched(&index, &t), [("B".to_string(), 8)], "rank 0's copy stays when rank 1 clears");
     }
 
+    /// Orphans once took their place in the page budget: under pressure, the pages of prompts
+    /// whose prefix had been evicted pushed out the pages that still keyed something.
     #[test]
-    fn a_page_whose_parent_was_never_seen_is_kept_for_removal_but_keys_nothing() {
+    fn a_page_whose_parent_was_never_seen_is_counted_and_not_kept() {
         let mut index = Index::new(2, 1000);
-        index.apply("A", 0, &stored(&[5], Some(999), &[1, 2], 2));
-        assert_eq!((index.pages(), index.distinct_blocks(), index.counters.orphan_pages), (1, 0, 1));
+        index.apply("A", 0, &stored(&[5, 6], Some(999), &[1, 2, 3, 4], 2));
+        assert_eq!((index.pages(), index.distinct_blocks(), index.counters.orphan_pages), (0, 0, 2));
+        index.apply("A", 0, &stored(&[7], Some(6), &[5, 6], 2));
+        assert_eq!((index.pages(), index.counters.orphan_pages), (0, 3), "its children are orphans too");
         index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![5], medium: Medium::Gpu });
-        assert_eq!(index.pages(), 0);
+        assert_eq!(index.pages(), 0, "removing what was never kept is nothing");
     }
 
     #[test]
