@@ -51,9 +51,8 @@ pub struct ServiceCore {
     load: LoadPoller,
     /// Reads the filters' shared counts (the service dispatches nothing itself).
     inflight: SharedInflight,
-    health_published: bool,
     /// When the health table was last published: it goes out again every check interval.
-    health_published_ms: u64,
+    health_published_ms: Option<u64>,
     last_sweep_ms: u64,
     last_affinity_sweep_ms: u64,
     prefixes: PrefixLog,
@@ -78,8 +77,7 @@ impl ServiceCore {
             workers,
             health,
             load,
-            health_published: false,
-            health_published_ms: 0,
+            health_published_ms: None,
             last_sweep_ms: 0,
             last_affinity_sweep_ms: 0,
         }
@@ -108,7 +106,7 @@ impl ServiceCore {
     pub fn tick(&mut self, now: u64) -> TickPlan {
         let mut plan = TickPlan::default();
         // Unchanged verdicts go out again too: the timestamp tells the filters the service lives.
-        if !self.health_published || now.saturating_sub(self.health_published_ms) >= self.config.health.interval_ms {
+        if self.health_published_ms.is_none_or(|at| now.saturating_sub(at) >= self.config.health.interval_ms) {
             self.publish_health();
         }
         for index in self.health.due(now) {
@@ -218,10 +216,7 @@ impl ServiceCore {
         let now = self.host.now_ms();
         match serde_json::to_vec(&self.health.table(now)) {
             Ok(bytes) => match shared::publish(self.host.as_ref(), keys::HEALTH_TABLE, &bytes) {
-                Ok(_) => {
-                    self.health_published = true;
-                    self.health_published_ms = now;
-                }
+                Ok(_) => self.health_published_ms = Some(now),
                 Err(e) => log::warn!("health table not published: {e}"),
             },
             Err(e) => log::warn!("health table not encoded: {e}"),
@@ -281,7 +276,7 @@ impl ServiceCore {
         gauges.extend([
             ("sgl_router_fresh_load_reports".to_string(), fresh),
             ("sgl_router_healthy_workers".to_string(), (self.workers.len() as u64).saturating_sub(unhealthy)),
-            ("sgl_router_health_published".to_string(), u64::from(self.health_published)),
+            ("sgl_router_health_published".to_string(), u64::from(self.health_published_ms.is_some())),
             ("sgl_router_prefix_log_head".to_string(), self.prefixes.head()),
             ("sgl_router_prefix_service_bytes".to_string(), bytes),
             ("sgl_router_affinity_bindings".to_string(), self.affinity.len() as u64),
@@ -340,6 +335,22 @@ mod tests {
         assert!(core.tick(10).polls.is_empty(), "nothing is due again while the polls are out");
         let later = core.tick(vm_registry::HEARTBEAT_MS);
         assert!(later.gauges.contains(&("sgl_router_healthy_workers".to_string(), 2)), "{:?}", later.gauges);
+    }
+
+    /// A dead service once froze its last verdicts in every filter: the table goes out every
+    /// interval, flipped or not, stamped, so a filter can tell when it stopped.
+    #[test]
+    fn health_is_published_again_every_interval_with_its_time() {
+        let (host, mut core) = service();
+        core.tick(host.now_ms());
+        let first = health_published(&host).unwrap().published_ms;
+        assert_eq!(first, host.now_ms());
+        host.advance_ms(99);
+        core.tick(host.now_ms());
+        assert_eq!(health_published(&host).unwrap().published_ms, first, "not before the interval");
+        host.advance_ms(1);
+        core.tick(host.now_ms());
+        assert_eq!(health_published(&host).unwrap().published_ms, first + 100);
     }
 
     fn health_published(host: &MemoryHost) -> Option<HealthTable> {

@@ -65,8 +65,7 @@ impl SharedAvailability {
         let Ok(mut copy) = self.health.lock() else {
             return Arc::default();
         };
-        let fresh = self.fresh(&mut copy);
-        if copy.reader.value().is_some() && !fresh {
+        if !self.fresh(&mut copy) {
             self.stale_reads.fetch_add(1, Ordering::Relaxed);
             return Arc::default();
         }
