@@ -1,6 +1,7 @@
-//! Where one request's work goes (issue 13's profile). The filter's whole per-request path —
-//! prepare (parse the body, its facts), selection, dispatch accounting, the upstream's answer and
-//! the stream's end, as `proxy/filter.rs` drives them — over a `MemoryHost` behind a counting
+//! Where one request's work goes (issue 13's profile). The filter's whole per-request path — the
+//! request's life from its headers (routing headers stripped, the route), its body (prepare,
+//! selection, dispatch accounting), the upstream's answer and the stream's end, one hook each as
+//! `proxy/filter.rs` calls them — over a `MemoryHost` behind a counting
 //! `Host`, with a counting allocator, the service publishing load and health beside it. Prints per
 //! request: time per phase, host calls by kind and by table, allocations per phase, and the
 //! counters the glue bumps, for each policy over 8, 512 and 4,096 engines. Runs natively
@@ -13,15 +14,14 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Instant;
 
 use sgl_envoy_router::config::parse_and_validate;
-use sgl_envoy_router::host::{Host, HostError, MemoryCallouts, MemoryHost, SharedValue};
-use sgl_envoy_router::server::factory::filter_handles;
-use sgl_envoy_router::server::routes::chat::{ChatExchange, Endpoint};
-use sgl_envoy_router::server::service::{PollKind, ServiceCore};
-use sgl_envoy_router::server::AppContext;
+use sgl_envoy_router::filter::life::{Action, RequestLife};
+use sgl_envoy_router::filter::AppContext;
+use sgl_envoy_router::host::{Host, HostError, MemoryHost, SharedValue};
+use sgl_envoy_router::service::{PollKind, ServiceCore};
+use sgl_envoy_router::wiring::factory::filter_handles;
 
 /// Counts every allocation, so a phase's count is the difference across it.
 struct Counting;
@@ -171,16 +171,14 @@ impl Meter {
     }
 }
 
-const PHASES: [&str; 5] =
-    ["prepare (parse, facts)", "selection", "dispatch (accounting)", "answer (headers)", "end (release)"];
+const PHASES: [&str; 4] = ["request headers", "body (prepare, select, dispatch)", "answer (headers)", "end (release)"];
 
 fn run(engines: usize, policy: &str, requests: u32) {
     let config = parse_and_validate(&router_config(engines, policy)).unwrap_or_else(|e| panic!("{e}"));
     let host = Arc::new(CountingHost { inner: MemoryHost::new(7), calls: Default::default() });
     let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
     publish_state(&mut service, &host);
-    let (handles, _) =
-        filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1, Arc::new(MemoryCallouts::default()));
+    let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1);
     let app = AppContext::new(config, handles);
     // 4 KiB of conversation, as the overhead bench sends; the prompt varies per request.
     let filler = "routing ".repeat(500);
@@ -195,39 +193,46 @@ fn run(engines: usize, policy: &str, requests: u32) {
 
     let mut phases: Vec<Phase> = PHASES.iter().map(|_| Phase::default()).collect();
     let (mut counters, mut handed) = (0usize, 0usize);
+    let headers: Vec<(String, Vec<u8>)> = [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "router"),
+        ("content-type", "application/json"),
+        ("x-sgl-cluster", "spoofed"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+    .collect();
+    // The glue's part: count what would be bumps and hand back the body.
+    let count = |actions: &mut Vec<Action>, handed: &mut usize| {
+        for action in actions.drain(..) {
+            if let Action::Count(bumps) = action {
+                *handed += bumps.len();
+            }
+        }
+    };
     let one = |i: u32, phases: &mut [Phase], counters: &mut usize, handed: &mut usize| {
         let body = &bodies[i as usize % bodies.len()];
+        let mut life = RequestLife::new(None);
+        let mut out = Vec::new();
         let meter = Meter::start();
-        let mut pending = app.begin(Endpoint::Chat, body, &|_| None).unwrap_or_else(|e| panic!("{e:?}"));
+        life.on_request_headers(&app, headers.clone(), false, &mut out);
+        count(&mut out, handed);
         meter.stop(&mut phases[0]);
         let meter = Meter::start();
-        let Poll::Ready(outcome) = pending.poll(|| false) else { panic!("a local selection is ready") };
-        let decision = outcome.result.unwrap_or_else(|e| panic!("{e:?}"));
+        life.on_request_body(&app, body.len(), true, &mut |_| body.clone(), &mut out);
+        assert!(out.contains(&Action::Proceed), "a local selection routes at once: {out:?}");
+        *counters += 4;
+        count(&mut out, handed);
         meter.stop(&mut phases[1]);
-        *counters += outcome.counters.len();
-        app.count(outcome.counters);
         let meter = Meter::start();
-        let upstream = Arc::clone(decision.target.upstream());
-        let prefill_tokens = decision.prefill_tokens;
-        let mut exchange = ChatExchange::new(decision);
-        let guard = app.on_dispatch(&upstream.id, prefill_tokens);
-        exchange.dispatched(&upstream.id);
+        life.on_response_headers(&app, Some(200), &mut out);
+        count(&mut out, handed);
         meter.stop(&mut phases[2]);
         let meter = Meter::start();
-        let headers = exchange.decision().response_headers(None);
-        let (_, effects) = exchange.on_upstream_headers(Some(200));
-        *counters += effects.counters.len();
-        app.carry_out(effects);
+        life.on_end(&app, &mut out);
+        count(&mut out, handed);
         meter.stop(&mut phases[3]);
-        let meter = Meter::start();
-        let effects = exchange.on_end();
-        *counters += effects.counters.len();
-        app.carry_out(effects);
-        drop(guard);
-        drop(headers);
-        // As the filter's `on_log`: one request at a time leaves the VM idle, so its bumps go now.
-        *handed += app.sync_shared().len();
-        meter.stop(&mut phases[4]);
     };
     for i in 0..requests / 10 {
         one(i, &mut phases, &mut counters, &mut handed);

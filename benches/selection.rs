@@ -4,7 +4,6 @@
 
 use std::hint::black_box;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use sgl_envoy_router::buckets::{Bucket, BucketGroups, BucketResolver, EngineGroup};
@@ -12,7 +11,7 @@ use sgl_envoy_router::config::AdmissionLimits;
 use sgl_envoy_router::host::{Host, MemoryHost};
 use sgl_envoy_router::policies::admission::AdmissionGate;
 use sgl_envoy_router::policies::{
-    LeastLoadPolicy, MemoryCursor, PickRequest, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, SeededRandom,
+    LoadBasedPolicy, MemoryCursor, PickRequest, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, SeededRandom,
     SharedCursor,
 };
 use sgl_envoy_router::registry::Role;
@@ -56,14 +55,6 @@ fn loads(ws: &[Arc<Worker>]) -> LoadSnapshot {
     }))
 }
 
-fn poll<T>(mut f: sgl_envoy_router::policies::BoxFuture<'_, T>) -> T {
-    let mut cx = Context::from_waker(Waker::noop());
-    match f.as_mut().poll(&mut cx) {
-        Poll::Ready(v) => v,
-        Poll::Pending => unreachable!("local policies are ready"),
-    }
-}
-
 fn time(label: &str, iterations: u32, mut op: impl FnMut()) {
     for _ in 0..iterations / 10 {
         op();
@@ -87,7 +78,7 @@ fn main() {
         expected_peak_tokens: Some(2000),
         token_ids: None,
         prompt_text: None,
-        prefix_memo: None,
+        indexer: None,
         session_key: None,
         routing_key: None,
     };
@@ -110,12 +101,12 @@ fn main() {
             ),
             ("random", Box::new(RandomPolicy::new(Arc::new(SeededRandom::new(1)), gate.clone()))),
             ("power_of_two", Box::new(PowerOfTwoPolicy::new(Arc::new(SeededRandom::new(1)), gate.clone()))),
-            ("load_based", Box::new(LeastLoadPolicy::new(gate.clone()))),
+            ("load_based", Box::new(LoadBasedPolicy::new(gate.clone()))),
         ];
         for (name, policy) in &policies {
             let iterations = if n >= 512 && *name == "load_based" { 20_000 * 512 / n as u32 } else { 200_000 };
             time(&format!("pick {name}, {n} engines"), iterations, || {
-                black_box(poll(policy.pick(black_box(&ws), &request)).ok());
+                black_box(policy.pick(black_box(&ws), &request).ok());
             });
         }
     }

@@ -6,7 +6,8 @@ use std::cmp::Ordering;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use crate::policies::{BoxFuture, Pick, PickError, PickRequest, Policy};
+use crate::policies::{Pick, PickError, PickRequest, Policy};
+use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::{LiveWorkers, Role, Worker};
 
 /// Which workers a group may use: `None` in the configuration means all, `[]` means none.
@@ -73,29 +74,23 @@ impl EngineGroup {
 
     /// Invokes the policy on the exact candidate set and rejects any answer outside it, including
     /// a different allocation that happens to carry a candidate's id.
-    pub fn pick<'a>(
-        &'a self,
-        live: &'a LiveWorkers,
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+    pub fn pick(&self, live: &LiveWorkers, request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let candidates = self.candidates(live, request.model);
-        Box::pin(async move {
-            if candidates.is_empty() {
-                return Err(PickError::no_candidates(format!(
-                    "no healthy {} engine of model `{}` in this group",
-                    self.stage.as_str(),
-                    request.model
-                )));
-            }
-            let pick = self.policy.pick(&candidates, request).await?;
-            // Candidates are in id order: finding the answer costs log(group), not the group.
-            let found = candidates.binary_search_by(|c| c.id.as_str().cmp(&pick.worker.id));
-            if found.is_ok_and(|i| candidates.get(i).is_some_and(|c| Arc::ptr_eq(c, &pick.worker))) {
-                Ok(pick)
-            } else {
-                Err(PickError::OutsideCandidates { worker: pick.worker.id.clone() })
-            }
-        })
+        if candidates.is_empty() {
+            return Err(PickError::no_candidates(format!(
+                "no healthy {} engine of model `{}` in this group",
+                self.stage.as_str(),
+                request.model
+            )));
+        }
+        let pick = self.policy.pick(&candidates, request)?;
+        // Candidates are in id order: finding the answer costs log(group), not the group.
+        let found = candidates.binary_search_by(|c| c.id.as_str().cmp(&pick.worker.id));
+        if found.is_ok_and(|i| candidates.get(i).is_some_and(|c| Arc::ptr_eq(c, &pick.worker))) {
+            Ok(pick)
+        } else {
+            Err(PickError::OutsideCandidates { worker: pick.worker.id.clone() })
+        }
     }
 }
 
@@ -114,7 +109,8 @@ pub struct BucketRequest {
     pub expected_peak_tokens: Option<u64>,
     pub token_ids: Option<Vec<u32>>,
     pub prompt_text: Option<Arc<str>>,
-    pub prefix_memo: Arc<crate::policies::cache_aware::PrefixMemo>,
+    /// The indexer's answer, when the request asked it: an input like the others.
+    pub indexer: Option<IndexerAnswer>,
     pub session_key: Option<String>,
     pub routing_key: Option<String>,
 }
@@ -129,7 +125,7 @@ impl BucketRequest {
             expected_peak_tokens: self.expected_peak_tokens,
             token_ids: self.token_ids.as_deref(),
             prompt_text: self.prompt_text.as_deref(),
-            prefix_memo: Some(&self.prefix_memo),
+            indexer: self.indexer.as_ref(),
             session_key: self.session_key.as_deref(),
             routing_key: self.routing_key.as_deref(),
         }
@@ -181,27 +177,21 @@ impl Bucket {
 
     /// Picks every engine this bucket needs. A PD bucket picks prefill then decode; a decode
     /// failure discards the tentative prefill choice (nothing was dispatched).
-    pub fn pick_engines<'a>(
-        &'a self,
-        live: &'a LiveWorkers,
-        request: &'a BucketRequest,
-    ) -> BoxFuture<'a, Result<BucketPick, StageError>> {
-        Box::pin(async move {
-            let at = |stage: Role| move |error| StageError { stage, error };
-            match &self.groups {
-                BucketGroups::Plain(group) => {
-                    let r = request.for_stage(&self.id, Role::Plain);
-                    group.pick(live, &r).await.map(BucketPick::Plain).map_err(at(Role::Plain))
-                }
-                BucketGroups::Pd { prefill, decode } => {
-                    let pr = request.for_stage(&self.id, Role::Prefill);
-                    let p = prefill.pick(live, &pr).await.map_err(at(Role::Prefill))?;
-                    let dr = request.for_stage(&self.id, Role::Decode);
-                    let d = decode.pick(live, &dr).await.map_err(at(Role::Decode))?;
-                    Ok(BucketPick::Pd { prefill: p, decode: d })
-                }
+    pub fn pick_engines(&self, live: &LiveWorkers, request: &BucketRequest) -> Result<BucketPick, StageError> {
+        let at = |stage: Role| move |error| StageError { stage, error };
+        match &self.groups {
+            BucketGroups::Plain(group) => {
+                let r = request.for_stage(&self.id, Role::Plain);
+                group.pick(live, &r).map(BucketPick::Plain).map_err(at(Role::Plain))
             }
-        })
+            BucketGroups::Pd { prefill, decode } => {
+                let pr = request.for_stage(&self.id, Role::Prefill);
+                let p = prefill.pick(live, &pr).map_err(at(Role::Prefill))?;
+                let dr = request.for_stage(&self.id, Role::Decode);
+                let d = decode.pick(live, &dr).map_err(at(Role::Decode))?;
+                Ok(BucketPick::Pd { prefill: p, decode: d })
+            }
+        }
     }
 }
 
@@ -265,7 +255,7 @@ mod tests {
 
     use super::*;
     use crate::policies::{PickReason, PickRequest};
-    use crate::testing::{now, worker_with, Scripted};
+    use crate::testing::{worker_with, Scripted};
 
     fn live(workers: &[Arc<Worker>], unhealthy: &[&str]) -> LiveWorkers {
         let mut sorted = workers.to_vec();
@@ -430,7 +420,7 @@ mod tests {
         ];
         let policy = Scripted::first();
         let group = EngineGroup::with_members(Role::Plain, ["A", "B", "C", "D", "P"].map(String::from), policy.clone());
-        let pick = now(group.pick(&live(&ws, &["B"]), &request(Role::Plain))).unwrap();
+        let pick = group.pick(&live(&ws, &["B"]), &request(Role::Plain)).unwrap();
         assert_eq!(pick.worker.id, "A");
         assert_eq!(
             policy.offered.lock().unwrap()[0],
@@ -443,12 +433,12 @@ mod tests {
     fn omitted_membership_means_every_engine_and_an_empty_one_none() {
         let ws = vec![plain("A"), plain("B")];
         let all = Scripted::first();
-        now(EngineGroup::new(Role::Plain, all.clone()).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap();
+        EngineGroup::new(Role::Plain, all.clone()).pick(&live(&ws, &[]), &request(Role::Plain)).unwrap();
         assert_eq!(all.offered.lock().unwrap()[0], ["A", "B"]);
 
         let none = Scripted::first();
         let group = EngineGroup::with_members(Role::Plain, Vec::<String>::new(), none.clone());
-        assert!(matches!(now(group.pick(&live(&ws, &[]), &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
+        assert!(matches!(group.pick(&live(&ws, &[]), &request(Role::Plain)), Err(PickError::NoCandidates { .. })));
         assert!(none.offered.lock().unwrap().is_empty(), "the policy is not invoked without candidates");
     }
 
@@ -456,16 +446,16 @@ mod tests {
     fn a_result_outside_the_candidates_is_rejected() {
         let ws = vec![plain("A")];
         let foreign = plain("Z");
-        let policy = Scripted::new(move |_| Ok(Pick { worker: Arc::clone(&foreign), reason: PickReason::Rotation }));
-        let err = now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap_err();
+        let policy = Scripted::new(move |_| Ok(Pick::new(Arc::clone(&foreign), PickReason::Rotation)));
+        let err = EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain)).unwrap_err();
         assert_eq!(err, PickError::OutsideCandidates { worker: "Z".into() });
     }
 
     #[test]
     fn a_new_allocation_with_a_candidates_id_is_rejected() {
         let ws = vec![plain("A")];
-        let policy = Scripted::new(|_| Ok(Pick { worker: plain("A"), reason: PickReason::Rotation }));
-        let err = now(EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain))).unwrap_err();
+        let policy = Scripted::new(|_| Ok(Pick::new(plain("A"), PickReason::Rotation)));
+        let err = EngineGroup::new(Role::Plain, policy).pick(&live(&ws, &[]), &request(Role::Plain)).unwrap_err();
         assert_eq!(err, PickError::OutsideCandidates { worker: "A".into() });
     }
 
@@ -496,7 +486,7 @@ mod tests {
     #[test]
     fn a_pd_bucket_picks_both_engines_from_its_own_groups() {
         let b = pd_bucket("b", Scripted::first(), Scripted::first());
-        let pick = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap();
+        let pick = b.pick_engines(&live(&pd_workers(), &[]), &bucket_request()).unwrap();
         let BucketPick::Pd { prefill, decode } = pick else { panic!("not a PD pick") };
         assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("P1", "D1"));
     }
@@ -506,13 +496,9 @@ mod tests {
         #[derive(Debug, Default)]
         struct Recording(Mutex<Vec<(Role, String, Option<String>)>>);
         impl Policy for Recording {
-            fn pick<'a>(
-                &'a self,
-                engines: &'a [Arc<Worker>],
-                r: &'a PickRequest<'a>,
-            ) -> BoxFuture<'a, Result<Pick, PickError>> {
+            fn pick(&self, engines: &[Arc<Worker>], r: &PickRequest<'_>) -> Result<Pick, PickError> {
                 self.0.lock().unwrap().push((r.stage, r.bucket_id.to_string(), r.session_key.map(String::from)));
-                Box::pin(std::future::ready(Ok(Pick { worker: Arc::clone(&engines[0]), reason: PickReason::Rotation })))
+                Ok(Pick::new(Arc::clone(&engines[0]), PickReason::Rotation))
             }
         }
         let rec = Arc::new(Recording::default());
@@ -524,7 +510,7 @@ mod tests {
             ..pd_bucket("short", Scripted::first(), Scripted::first())
         };
         let req = BucketRequest { session_key: Some("s1".into()), ..bucket_request() };
-        now(b.pick_engines(&live(&pd_workers(), &[]), &req)).unwrap();
+        b.pick_engines(&live(&pd_workers(), &[]), &req).unwrap();
         let seen = rec.0.lock().unwrap().clone();
         assert_eq!(
             seen,
@@ -535,7 +521,7 @@ mod tests {
     #[test]
     fn a_decode_failure_discards_the_prefill_choice_and_names_its_stage() {
         let b = pd_bucket("b", Scripted::first(), Scripted::failing(PickError::no_candidates("none")));
-        let err = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap_err();
+        let err = b.pick_engines(&live(&pd_workers(), &[]), &bucket_request()).unwrap_err();
         assert_eq!(err.stage, Role::Decode);
     }
 
@@ -543,7 +529,7 @@ mod tests {
     fn a_prefill_failure_skips_the_decode_group() {
         let decode = Scripted::first();
         let b = pd_bucket("b", Scripted::failing(PickError::no_candidates("none")), decode.clone());
-        let err = now(b.pick_engines(&live(&pd_workers(), &[]), &bucket_request())).unwrap_err();
+        let err = b.pick_engines(&live(&pd_workers(), &[]), &bucket_request()).unwrap_err();
         assert_eq!(err.stage, Role::Prefill);
         assert!(decode.offered.lock().unwrap().is_empty());
     }

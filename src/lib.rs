@@ -34,17 +34,20 @@
 //! - **admission**: absolute per-engine caps checked on an engine a policy chose; a rejection
 //!   advances the bucket loop, never substitutes another engine.
 //! - **decision**: the complete outcome the filter carries out: upstream header, PD body and
-//!   prefill callout, response headers ([`server::Decision`]).
+//!   prefill callout, response headers ([`filter::Decision`]).
 //! - **service**: the singleton bootstrap VM that polls engines and owns the authoritative tables;
 //!   **filter VM**: one per Envoy worker thread.
 
 pub mod buckets;
 pub mod config;
+pub mod filter;
 pub mod host;
 pub mod policies;
+pub mod protocol;
 pub mod registry;
-pub mod server;
+pub mod service;
 pub mod state;
+pub mod wiring;
 
 #[cfg(test)]
 pub(crate) mod testing;

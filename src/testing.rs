@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::config::AdmissionLimits;
 use crate::policies::admission::AdmissionGate;
-use crate::policies::{BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
+use crate::policies::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Role;
 use crate::registry::{EngineAddress, Worker};
 use crate::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
@@ -79,18 +79,9 @@ pub fn request(stage: Role) -> crate::policies::PickRequest<'static> {
         expected_peak_tokens: None,
         token_ids: None,
         prompt_text: None,
-        prefix_memo: None,
+        indexer: None,
         session_key: None,
         routing_key: None,
-    }
-}
-
-/// Polls a policy future that must be ready.
-pub fn now<T>(mut f: crate::policies::BoxFuture<'_, T>) -> T {
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    match f.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(v) => v,
-        std::task::Poll::Pending => panic!("a local policy returned a pending future"),
     }
 }
 
@@ -110,7 +101,7 @@ impl Scripted {
 
     /// Takes the first candidate.
     pub fn first() -> Arc<Self> {
-        Self::new(|c| Ok(Pick { worker: Arc::clone(&c[0]), reason: PickReason::Rotation }))
+        Self::new(|c| Ok(Pick::new(Arc::clone(&c[0]), PickReason::Rotation)))
     }
 
     pub fn failing(error: PickError) -> Arc<Self> {
@@ -125,15 +116,11 @@ impl std::fmt::Debug for Scripted {
 }
 
 impl Policy for Scripted {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        _: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+    fn pick(&self, engines: &[Arc<Worker>], _: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.offered.lock().unwrap().push(engines.iter().map(|w| w.id.clone()).collect());
         let answer = self.answer.lock().unwrap();
         let result = (answer.as_ref().unwrap())(engines);
-        Box::pin(std::future::ready(result))
+        result
     }
 }
 

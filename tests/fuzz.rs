@@ -14,22 +14,15 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use proptest::test_runner::{Config, FileFailurePersistence};
 use serde_json::{json, Map, Value};
 use sgl_envoy_router::config;
-use sgl_envoy_router::server::routes::chat::{prepare_chat, prepare_endpoint, Endpoint};
-use sgl_envoy_router::state::kv_events::{apply, wire, PrefixEvent, RadixTree};
+use sgl_envoy_router::filter::generation::{prepare_chat, prepare_endpoint, Endpoint};
 use sgl_envoy_router::state::load_monitor::{parse_get_load, parse_prometheus, parse_v1_loads};
+use sgl_envoy_router::state::prefix::{apply, wire, PrefixEvent, RadixTree};
 
-fn config() -> Config {
-    let cases = std::env::var("FUZZ_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(1_000_000);
-    Config {
-        cases,
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
-        max_shrink_iters: 2_000,
-        ..Config::default()
-    }
-}
+#[path = "support/fuzz_config.rs"]
+mod fuzz_config;
+use fuzz_config::config;
 
 /// Field names the readers look for, so generated documents reach past the first check.
 const KEYS: &[&str] = &[
@@ -298,7 +291,7 @@ proptest! {
             if let Some(peak) = facts.expected_peak_tokens {
                 prop_assert!(peak >= facts.input_tokens);
             }
-            prop_assert!(prepared.prompt_text.is_some_and(|t| t.len() <= sgl_envoy_router::server::routes::chat::MAX_PROMPT_BYTES));
+            prop_assert!(prepared.prompt_text.is_some_and(|t| t.len() <= sgl_envoy_router::filter::generation::MAX_PROMPT_BYTES));
         }
     }
 

@@ -1,12 +1,16 @@
 //! Router configuration, a leaf that describes: serde types, validation with field paths, and
 //! refusal of dropped options. The filter, the service, the CLI and the indexer all go through
-//! [`parse_and_validate`]; what the configuration builds is built by `server::factory`.
+//! [`parse_and_validate`]; what the configuration builds is built by `wiring::factory`.
 
 mod dropped;
+#[cfg(not(target_arch = "wasm32"))]
+mod file;
 mod structure;
 mod types;
 mod validate;
 
+#[cfg(not(target_arch = "wasm32"))]
+pub use file::{load_file, parse_document};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 pub use types::*;

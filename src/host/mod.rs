@@ -4,11 +4,8 @@
 pub mod callouts;
 mod memory;
 
-pub use callouts::{CalloutBoard, CalloutFuture, CalloutRequest, CalloutResponse, Callouts, MemoryCallouts};
+pub use callouts::CalloutRequest;
 pub use memory::MemoryHost;
-
-/// A boxed future: policies and callouts that may await the host.
-pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HostError {
@@ -34,6 +31,10 @@ pub trait Host: Send + Sync + std::fmt::Debug {
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError>;
     /// Milliseconds of wall-clock time.
     fn now_ms(&self) -> u64;
+    /// Microseconds of a monotonic clock, for durations the stats report (selection latency).
+    fn monotonic_us(&self) -> u64 {
+        self.now_ms().saturating_mul(1000)
+    }
     fn random_u64(&self) -> u64;
     /// Sends a message to the shared queue `name`, which only the service registers and drains.
     fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError>;

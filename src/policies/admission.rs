@@ -133,7 +133,7 @@ impl AdmissionGate {
         let mut rejections = Vec::new();
         for worker in ordered {
             match self.check_with(worker, snapshot.get(&worker.id)) {
-                Ok(()) => return Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason }),
+                Ok(()) => return Ok(super::Pick::new(std::sync::Arc::clone(worker), reason)),
                 Err(PickError::AdmissionRejected(r)) => rejections.push(r),
                 Err(other) => return Err(other),
             }
@@ -150,7 +150,7 @@ impl AdmissionGate {
     ) -> Result<super::Pick, PickError> {
         let worker = engines.get(index).ok_or_else(|| PickError::no_candidates("no candidate at the chosen index"))?;
         self.check(worker)?;
-        Ok(super::Pick { worker: std::sync::Arc::clone(worker), reason })
+        Ok(super::Pick::new(std::sync::Arc::clone(worker), reason))
     }
 
     /// Checks an engine chosen without load observations; reads the current report only when a

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::admission::AdmissionGate;
-use super::{pick_fallback, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
+use super::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Worker;
 use crate::state::affinity_store::{AffinityStore, BindingKind, Bound, Scope};
 
@@ -25,24 +25,20 @@ pub struct BindingPolicy {
 }
 
 impl Policy for BindingPolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        Box::pin(self.walk(engines, request))
+    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+        self.walk(engines, request)
     }
 }
 
 impl BindingPolicy {
-    async fn walk(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn walk(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let key = match self.kind {
             BindingKind::Session => request.session_key,
             BindingKind::Sticky => request.routing_key,
         }
         .filter(|k| !k.is_empty());
         let Some(key) = key else {
-            let pick = pick_fallback(self.fallback.as_ref(), engines, request).await?;
+            let pick = self.fallback.pick(engines, request)?;
             self.gate.check(&pick.worker)?;
             return Ok(Pick { reason: PickReason::NoKey, ..pick });
         };
@@ -54,10 +50,10 @@ impl BindingPolicy {
                 // Reused regardless of pressure when admitted; a rejection is final for this attempt.
                 self.gate.check(worker)?;
                 self.store.touch(&scope, self.touch_resolution_ms);
-                return Ok(Pick { worker: Arc::clone(worker), reason: PickReason::BoundReuse });
+                return Ok(Pick::new(Arc::clone(worker), PickReason::BoundReuse));
             }
             // New key, or bound outside this group's candidates: choose, check, then bind.
-            let pick = pick_fallback(self.fallback.as_ref(), engines, request).await?;
+            let pick = self.fallback.pick(engines, request)?;
             self.gate.check(&pick.worker)?;
             match self.store.bind(&scope, &pick.worker.id, bound.as_deref()) {
                 Ok(Bound::Ours) => return Ok(Pick { reason: PickReason::NewBinding, ..pick }),

@@ -1,5 +1,6 @@
 //! Cache-aware selection (design §5 "Cache-aware behavior") within the supplied candidates:
-//! 1. look up prefix ownership (through [`CacheSource`], once per request via [`PrefixMemo`]);
+//! 1. look up prefix ownership (through [`CacheSource`]: this VM's replica, or the indexer's answer
+//!    the request carries);
 //! 2. keep holders whose match passes the minimum-token and optional ratio gates;
 //! 3. bound them by match length and pressure to the configured minimum / ratio / maximum;
 //! 4. apply the soft queue gate and the saturation pin, and check admission explicitly;
@@ -7,32 +8,33 @@
 //! 6. on a miss, a power-of-k load fallback preferring engines inside the soft queue gate, whose
 //!    winner this policy checks.
 
-use std::collections::HashMap;
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use super::admission::AdmissionGate;
 use super::pressure::{expected_wait_ms, prefill_rate, PREFILL_QUANTUM_TOKENS};
-use super::{BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
+use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::config::CacheAwareConfig;
 use crate::host::{Host, HostError};
+use crate::protocol::indexer::PrefixHit;
 use crate::registry::Worker;
-use crate::state::kv_events::remote::{IndexerAnswer, PrefixHit};
-use crate::state::kv_events::PrefixReplica;
 use crate::state::load_monitor::{EngineLoad, InflightTable, LoadSnapshot, LocalLoad};
+use crate::state::prefix::PrefixReplica;
 use crate::state::schedule::Period;
 
 /// What a prefix lookup found. A confirmed miss and an unavailable source both fall back to load,
 /// but stay distinguishable in the pick reason (and so in stats).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CacheLookup {
+pub enum CacheLookup<'a> {
     /// Every engine's hit, in tokens (a source converts its own units).
-    Matches(Vec<PrefixHit>),
-    Unavailable(String),
+    Matches(Cow<'a, [PrefixHit]>),
+    Unavailable(Cow<'a, str>),
 }
 
-/// Normalizes local and remote prefix lookups. Asynchronous so a remote indexer fits.
+/// Normalizes local and remote prefix lookups. Synchronous: a remote index was asked before the
+/// selection started, and its answer is one of the request's facts.
 pub trait CacheSource: Send + Sync + std::fmt::Debug {
-    fn lookup<'a>(&'a self, model: &'a str, text: &'a str) -> BoxFuture<'a, CacheLookup>;
+    fn lookup<'a>(&self, request: &PickRequest<'a>) -> CacheLookup<'a>;
 
     /// Whether hits count the request's exact tokens (the indexer) rather than the router's text
     /// estimate of them.
@@ -41,15 +43,18 @@ pub trait CacheSource: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// The remote variant: the indexer's answer for this request, which the handler puts in the
-/// request's [`PrefixMemo`] before any bucket is tried (design §6). Without one (the model has no
-/// tokenizer, or no memo) the index is unavailable.
+/// The remote variant: the indexer's answer the request carries (design §6). Without one (the
+/// model has no tokenizer, or the request was not asked about) the index is unavailable.
 #[derive(Debug, Default)]
 pub struct RemoteCacheSource;
 
 impl CacheSource for RemoteCacheSource {
-    fn lookup<'a>(&'a self, _model: &'a str, _text: &'a str) -> BoxFuture<'a, CacheLookup> {
-        Box::pin(std::future::ready(CacheLookup::Unavailable("no indexer answer for this request".to_string())))
+    fn lookup<'a>(&self, request: &PickRequest<'a>) -> CacheLookup<'a> {
+        match request.indexer {
+            Some(Ok(answer)) => CacheLookup::Matches(Cow::Borrowed(&answer.hits)),
+            Some(Err(why)) => CacheLookup::Unavailable(Cow::Borrowed(why)),
+            None => CacheLookup::Unavailable(Cow::Borrowed("no indexer answer for this request")),
+        }
     }
 
     fn exact(&self) -> bool {
@@ -138,100 +143,28 @@ impl std::fmt::Debug for LocalCacheSource {
 }
 
 impl CacheSource for LocalCacheSource {
-    fn lookup<'a>(&'a self, model: &'a str, text: &'a str) -> BoxFuture<'a, CacheLookup> {
+    fn lookup<'a>(&self, request: &PickRequest<'a>) -> CacheLookup<'a> {
+        let Some(text) = request.prompt_text else { return CacheLookup::Matches(Cow::Borrowed(&[])) };
         let now = self.host.now_ms();
         let idle = self.inflight.idle();
-        let result = match self.replica.lock() {
-            Ok(mut r) => match r.refresh_if_due(self.host.as_ref(), idle, now) {
-                Ok(()) => CacheLookup::Matches(
-                    r.log
-                        .tree(model)
-                        .map(|t| t.match_prefix(text.as_bytes()))
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|m| {
-                            let tokens = m.matched_bytes / self.bytes_per_token;
-                            PrefixHit { worker: m.worker, matched_tokens: tokens, gpu_tokens: tokens }
-                        })
-                        .collect(),
-                ),
-                Err(e) => CacheLookup::Unavailable(e.to_string()),
-            },
-            Err(_) => CacheLookup::Unavailable("replica lock poisoned".into()),
+        let Ok(mut r) = self.replica.lock() else {
+            return CacheLookup::Unavailable(Cow::Borrowed("replica lock poisoned"));
         };
-        Box::pin(std::future::ready(result))
-    }
-}
-
-/// One lookup per request and source, shared across bucket attempts. Each policy still filters
-/// the matches to its own candidates and runs its own admission.
-#[derive(Debug, Default)]
-pub struct PrefixMemo {
-    results: Mutex<HashMap<usize, Arc<CacheLookup>>>,
-    /// The indexer's verdict for this request (`hit`, `miss`, `unavailable`) and its handle.
-    indexer: Mutex<Option<(&'static str, Option<String>)>>,
-}
-
-impl PrefixMemo {
-    /// Records the indexer's answer for `source`'s policies; returns the exact input length when
-    /// it answered.
-    pub fn record_indexer(&self, source: &Arc<dyn CacheSource>, answer: IndexerAnswer) -> Option<u64> {
-        let (lookup, verdict, exact) = match answer {
-            Ok(m) => {
-                let verdict = if m.hits.is_empty() { "miss" } else { "hit" };
-                (CacheLookup::Matches(m.hits), (verdict, m.handle), Some(m.input_tokens))
-            }
-            Err(why) => (CacheLookup::Unavailable(why), ("unavailable", None), None),
-        };
-        self.set(source, lookup);
-        if let Ok(mut v) = self.indexer.lock() {
-            *v = Some(verdict);
+        if let Err(e) = r.refresh_if_due(self.host.as_ref(), idle, now) {
+            return CacheLookup::Unavailable(Cow::Owned(e.to_string()));
         }
-        exact
-    }
-
-    /// The indexer's verdict and handle, when it was asked.
-    pub fn indexer_verdict(&self) -> Option<(&'static str, Option<String>)> {
-        self.indexer.lock().ok().and_then(|v| v.clone())
-    }
-
-    /// Records an answer obtained before the bucket loop (the indexer's), for `source`'s policies.
-    pub fn set(&self, source: &Arc<dyn CacheSource>, lookup: CacheLookup) {
-        if let Ok(mut m) = self.results.lock() {
-            m.insert(Arc::as_ptr(source) as *const () as usize, Arc::new(lookup));
-        }
-    }
-
-    /// The longest prefix any lookup of this request found on `worker`, in tokens (what the
-    /// engine need not prefill again).
-    pub fn matched_tokens(&self, worker: &str) -> u64 {
-        let Ok(results) = self.results.lock() else { return 0 };
-        results
-            .values()
-            .filter_map(|lookup| match lookup.as_ref() {
-                CacheLookup::Matches(hits) => hits.iter().find(|h| h.worker == worker).map(PrefixHit::effective_tokens),
-                CacheLookup::Unavailable(_) => None,
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// What was recorded for `source`, if anything.
-    pub fn get(&self, source: &Arc<dyn CacheSource>) -> Option<Arc<CacheLookup>> {
-        self.results.lock().ok().and_then(|m| m.get(&(Arc::as_ptr(source) as *const () as usize)).cloned())
-    }
-
-    async fn lookup(&self, source: &Arc<dyn CacheSource>, model: &str, text: &str) -> Arc<CacheLookup> {
-        // Keyed by the shared source, so different index namespaces stay independent.
-        let key = Arc::as_ptr(source) as *const () as usize;
-        if let Some(hit) = self.results.lock().ok().and_then(|m| m.get(&key).cloned()) {
-            return hit;
-        }
-        let result = Arc::new(source.lookup(model, text).await);
-        if let Ok(mut m) = self.results.lock() {
-            m.insert(key, Arc::clone(&result));
-        }
-        result
+        CacheLookup::Matches(Cow::Owned(
+            r.log
+                .tree(request.model)
+                .map(|t| t.match_prefix(text.as_bytes()))
+                .unwrap_or_default()
+                .into_iter()
+                .map(|m| {
+                    let tokens = m.matched_bytes / self.bytes_per_token;
+                    PrefixHit { worker: m.worker, matched_tokens: tokens, gpu_tokens: tokens }
+                })
+                .collect(),
+        ))
     }
 }
 
@@ -409,7 +342,7 @@ impl CacheAwarePolicy {
     ) -> Result<Pick, PickError> {
         let winner = winner.ok_or_else(|| PickError::no_candidates("cache_aware has no candidates"))?;
         self.gate.check_with(winner, snapshot.get(&winner.id))?;
-        Ok(Pick { worker: Arc::clone(winner), reason })
+        Ok(Pick::new(Arc::clone(winner), reason))
     }
 
     /// Step 6's choice: power-of-k over the engines inside the soft queue gate (all of them if none
@@ -427,19 +360,18 @@ impl CacheAwarePolicy {
         sampled.into_iter().min_by_key(|w| self.key(snapshot, w))
     }
 
-    async fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let text = request.prompt_text.filter(|_| !self.source.exact());
-        let lookup = match (text, request.prefix_memo) {
-            (Some(text), Some(memo)) => memo.lookup(&self.source, request.model, text).await,
-            (Some(text), None) => Arc::new(self.source.lookup(request.model, text).await),
-            (None, Some(memo)) if self.source.exact() => memo.lookup(&self.source, request.model, "").await,
-            (None, None) if self.source.exact() => Arc::new(self.source.lookup(request.model, "").await),
-            (None, _) => Arc::new(CacheLookup::Matches(Vec::new())),
-        };
+        let lookup = self.source.lookup(request);
         let snapshot = self.gate.load.snapshot();
-        let matches = match lookup.as_ref() {
+        let matches = match &lookup {
             CacheLookup::Matches(m) => m,
             CacheLookup::Unavailable(_) => return self.load_fallback(engines, &snapshot, PickReason::CacheUnavailable),
+        };
+        // The chosen engine's match is what it is spared prefilling, whatever the reason it won.
+        let cached = |pick: Pick| {
+            let held = matches.iter().find(|h| h.worker == pick.worker.id).map_or(0, PrefixHit::effective_tokens);
+            Pick { cached_tokens: held.min(request.input_tokens), ..pick }
         };
         let input = request.input_tokens;
         let compared = match text {
@@ -448,7 +380,7 @@ impl CacheAwarePolicy {
         };
         let holders = self.usable_holders(engines, matches, input, compared, &snapshot);
         if holders.is_empty() {
-            return self.load_fallback(engines, &snapshot, PickReason::CacheMiss);
+            return self.load_fallback(engines, &snapshot, PickReason::CacheMiss).map(cached);
         }
         let (mut usable, reason): (Vec<Holder>, PickReason) = {
             let open: Vec<Holder> = holders.iter().filter(|h| !self.queued(&snapshot, &h.worker)).cloned().collect();
@@ -466,7 +398,7 @@ impl CacheAwarePolicy {
                 if covers {
                     (vec![best.clone()], PickReason::SaturationPin)
                 } else {
-                    return self.load_fallback(engines, &snapshot, PickReason::CacheMiss);
+                    return self.load_fallback(engines, &snapshot, PickReason::CacheMiss).map(cached);
                 }
             }
         };
@@ -480,21 +412,17 @@ impl CacheAwarePolicy {
             self.within_pressure_guard(h, engines, &snapshot) && limit_ms.is_none_or(|limit| cost() <= limit)
         });
         if usable.is_empty() {
-            return self.checked(cold, &snapshot, PickReason::PressureGuard);
+            return self.checked(cold, &snapshot, PickReason::PressureGuard).map(cached);
         }
         // Hard rejection of every bounded holder never turns into a cold fallback.
         let ordered = self.preferred_order(usable, request.input_tokens, &snapshot);
-        self.gate.first_admitted(ordered.iter().map(|h| &h.worker), &snapshot, reason)
+        self.gate.first_admitted(ordered.iter().map(|h| &h.worker), &snapshot, reason).map(cached)
     }
 }
 
 impl Policy for CacheAwarePolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        Box::pin(self.choose(engines, request))
+    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+        self.choose(engines, request)
     }
 }
 
@@ -513,7 +441,7 @@ mod tests {
     #[test]
     fn a_busy_vm_looks_for_new_prefix_batches_once_per_period_an_idle_one_on_every_lookup() {
         use crate::host::MemoryHost;
-        use crate::state::kv_events::{Budgets, PrefixEvent, PrefixLog, Tier};
+        use crate::state::prefix::{Budgets, PrefixEvent, PrefixLog, Tier};
         let host = Arc::new(MemoryHost::default());
         let budgets = Budgets([("m".to_string(), 1 << 20)].into_iter().collect());
         let mut service = PrefixLog::new(budgets.clone());
@@ -532,8 +460,9 @@ mod tests {
             text: text.into(),
             tier: Tier::Gpu,
         };
-        let holders = |text: &str| match now(source.lookup("m", text)) {
-            CacheLookup::Matches(m) => m.into_iter().map(|h| h.worker).collect::<Vec<_>>(),
+        let holders = |text: &str| match source.lookup(&PickRequest { prompt_text: Some(text), ..request(Role::Plain) })
+        {
+            CacheLookup::Matches(m) => m.iter().map(|h| h.worker.clone()).collect::<Vec<_>>(),
             CacheLookup::Unavailable(e) => panic!("{e}"),
         };
         service.append(host.as_ref(), vec![stored("A", "hello")]).unwrap();
@@ -555,7 +484,7 @@ mod tests {
     /// A source with fixed answers that counts lookups.
     #[derive(Debug)]
     struct Fixed {
-        answer: CacheLookup,
+        answer: CacheLookup<'static>,
         lookups: AtomicUsize,
     }
 
@@ -565,14 +494,14 @@ mod tests {
                 .iter()
                 .map(|(w, tokens)| PrefixHit { worker: w.to_string(), matched_tokens: *tokens, gpu_tokens: *tokens })
                 .collect();
-            Arc::new(Self { answer: CacheLookup::Matches(matches), lookups: AtomicUsize::new(0) })
+            Arc::new(Self { answer: CacheLookup::Matches(Cow::Owned(matches)), lookups: AtomicUsize::new(0) })
         }
     }
 
     impl CacheSource for Fixed {
-        fn lookup<'a>(&'a self, _: &'a str, _: &'a str) -> BoxFuture<'a, CacheLookup> {
+        fn lookup<'a>(&self, _: &PickRequest<'a>) -> CacheLookup<'a> {
             self.lookups.fetch_add(1, Ordering::SeqCst);
-            Box::pin(std::future::ready(self.answer.clone()))
+            self.answer.clone()
         }
     }
 
@@ -598,7 +527,7 @@ mod tests {
     }
 
     fn pick(p: &CacheAwarePolicy, ids: &[&str], input: u64) -> Result<Pick, PickError> {
-        now(p.pick(&workers(ids), &prompt(input)))
+        p.pick(&workers(ids), &prompt(input))
     }
 
     #[test]
@@ -646,7 +575,7 @@ mod tests {
         );
         let text: &'static str = Box::leak("p".repeat(64 * 1024).into_boxed_str());
         let r = PickRequest { input_tokens: 50_000, prompt_text: Some(text), ..request(Role::Plain) };
-        let pick = now(p.pick(&workers(&["A", "B"]), &r)).unwrap();
+        let pick = p.pick(&workers(&["A", "B"]), &r).unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::CacheHit));
     }
 
@@ -875,18 +804,29 @@ mod tests {
         );
     }
 
+    /// The policy names what its pick is spared: the chosen engine's match, in tokens.
     #[test]
-    fn one_lookup_per_request_across_bucket_attempts() {
+    fn a_pick_carries_the_chosen_engines_cached_tokens() {
         let s = State::new();
-        let source = Fixed::matches(&[("B", 900)]);
-        let p1 = policy(&s, Arc::clone(&source), tuned(|_| {}), AdmissionLimits::default());
-        let p2 = policy(&s, Arc::clone(&source), tuned(|_| {}), AdmissionLimits::default());
-        let memo = PrefixMemo::default();
-        let r = PickRequest { prefix_memo: Some(&memo), ..prompt(1000) };
-        // Two groups (say, two buckets' prefill groups) with different candidates share one lookup,
-        // and each still filters to its own candidates.
-        assert_eq!(now(p1.pick(&workers(&["A", "B"]), &r)).unwrap().worker.id, "B");
-        assert_eq!(now(p2.pick(&workers(&["C", "D"]), &r)).unwrap().reason, PickReason::CacheMiss);
-        assert_eq!(source.lookups.load(Ordering::SeqCst), 1);
+        let p = policy(&s, Fixed::matches(&[("B", 900), ("C", 200)]), tuned(|_| {}), AdmissionLimits::default());
+        let hit = pick(&p, &["A", "B", "C"], 1000).unwrap();
+        assert_eq!((hit.worker.id.as_str(), hit.cached_tokens), ("B", 900));
+        let miss = pick(&p, &["A", "D"], 1000).unwrap();
+        assert_eq!((miss.reason, miss.cached_tokens), (PickReason::CacheMiss, 0));
+    }
+
+    /// The remote source reads the indexer's answer the request carries, and nothing else.
+    #[test]
+    fn the_remote_source_reads_the_requests_indexer_answer() {
+        use crate::protocol::indexer::IndexerMatch;
+        let hits = vec![PrefixHit { worker: "A".into(), matched_tokens: 5, gpu_tokens: 5 }];
+        let answered: crate::protocol::indexer::IndexerAnswer =
+            Ok(IndexerMatch { input_tokens: 9, hits: hits.clone(), handle: None });
+        let failed: crate::protocol::indexer::IndexerAnswer = Err("late".into());
+        let source = RemoteCacheSource;
+        let with = |answer| PickRequest { indexer: answer, ..request(Role::Plain) };
+        assert_eq!(source.lookup(&with(Some(&answered))), CacheLookup::Matches(Cow::Borrowed(&hits)));
+        assert_eq!(source.lookup(&with(Some(&failed))), CacheLookup::Unavailable(Cow::Borrowed("late")));
+        assert!(matches!(source.lookup(&with(None)), CacheLookup::Unavailable(_)));
     }
 }

@@ -1,11 +1,11 @@
-//! The policy contract (design §4): one asynchronous, object-safe `pick` over an exact candidate
-//! set. Policies own their state handles; requests carry only facts. Local policies return a
-//! ready future; the filter polls a pending one again from its callouts.
+//! The policy contract (design §4): one synchronous, object-safe `pick` over an exact candidate
+//! set. Policies own their state handles; requests carry only facts, the indexer's answer among
+//! them: anything a policy waits for is asked before selection starts.
 
 pub mod admission;
 pub mod binding;
 pub mod cache_aware;
-mod least_load;
+mod load_based;
 mod power_of_two;
 pub mod pressure;
 mod random;
@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 pub use admission::{Admission, EngineAdmission, EngineMetrics, Limit};
 pub use binding::BindingPolicy;
-pub use least_load::LeastLoadPolicy;
+pub use load_based::LoadBasedPolicy;
 pub use power_of_two::PowerOfTwoPolicy;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -27,10 +27,9 @@ pub use session_aware::SessionAwarePolicy;
 pub use sticky::StickyPolicy;
 
 use crate::host::Host;
+use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::Role;
 use crate::registry::Worker;
-
-pub use crate::host::BoxFuture;
 
 /// Facts of one group call: no body, no state handles, no observations.
 #[derive(Debug, Clone, Copy)]
@@ -43,8 +42,8 @@ pub struct PickRequest<'a> {
     pub token_ids: Option<&'a [u32]>,
     /// The prompt text the prefix index matches (its bytes stand in for tokens).
     pub prompt_text: Option<&'a str>,
-    /// One prefix lookup per request, shared by every bucket attempt.
-    pub prefix_memo: Option<&'a cache_aware::PrefixMemo>,
+    /// The indexer's answer, when the request asked it (spec §7).
+    pub indexer: Option<&'a IndexerAnswer>,
     pub session_key: Option<&'a str>,
     pub routing_key: Option<&'a str>,
 }
@@ -109,6 +108,15 @@ impl PickReason {
 pub struct Pick {
     pub worker: Arc<Worker>,
     pub reason: PickReason,
+    /// The prompt's tokens the engine holds by the policy's prefix lookup (none without one): the
+    /// prefill work it is spared.
+    pub cached_tokens: u64,
+}
+
+impl Pick {
+    pub fn new(worker: Arc<Worker>, reason: PickReason) -> Self {
+        Self { worker, reason, cached_tokens: 0 }
+    }
 }
 
 /// An engine turned away by an admission cap.
@@ -164,27 +172,8 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// when called by [`crate::buckets::EngineGroup::pick`]) for `request`, and checks admission
     /// where its algorithm says. Returns the engine and why, or the outcome that tells the bucket
     /// loop what to do next: `NoCandidates`, `NoAdmissibleEngine` and `AdmissionRejected` advance to
-    /// the next bucket; the others stop routing. The future is ready at once for local policies; a
-    /// policy that awaits a callout is polled again when it answers.
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>>;
-}
-
-/// Runs a nested fallback policy; it reads its own state.
-pub fn pick_fallback<'a>(
-    fallback: &'a dyn Policy,
-    engines: &'a [Arc<Worker>],
-    request: &'a PickRequest<'a>,
-) -> BoxFuture<'a, Result<Pick, PickError>> {
-    fallback.pick(engines, request)
-}
-
-/// A ready future, for policies whose answer needs no I/O.
-pub(crate) fn ready<'a, T: Send + 'a>(value: T) -> BoxFuture<'a, T> {
-    Box::pin(std::future::ready(value))
+    /// the next bucket; the others stop routing.
+    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError>;
 }
 
 /// Where policies draw randomness from.

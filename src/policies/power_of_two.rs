@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::admission::AdmissionGate;
 use super::pressure::{compare_for_stage, PREFILL_QUANTUM_TOKENS};
-use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
+use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::registry::{Role, Worker};
 use crate::state::load_monitor::{EngineLoad, LocalLoad};
 
@@ -80,17 +80,13 @@ impl PowerOfTwoPolicy {
             }
         };
         self.gate.check_with(chosen, snapshot.get(&chosen.id))?;
-        Ok(Pick { worker: Arc::clone(chosen), reason })
+        Ok(Pick::new(Arc::clone(chosen), reason))
     }
 }
 
 impl Policy for PowerOfTwoPolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready(self.choose(engines, request))
+    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+        self.choose(engines, request)
     }
 }
 
@@ -134,7 +130,7 @@ mod tests {
     fn a_single_candidate_is_taken_directly() {
         let s = State::new();
         let p = p2c(Arc::new(Draws(Mutex::new(vec![]))), &s, AdmissionLimits::default());
-        let pick = now(p.pick(&workers(&["A"]), &request(Role::Plain))).unwrap();
+        let pick = p.pick(&workers(&["A"]), &request(Role::Plain)).unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::SingleCandidate));
     }
 
@@ -147,7 +143,7 @@ mod tests {
             &s,
             AdmissionLimits { max_running_requests: Some(8), ..Default::default() },
         );
-        let err = now(p.pick(&workers(&["A"]), &request(Role::Plain))).unwrap_err();
+        let err = p.pick(&workers(&["A"]), &request(Role::Plain)).unwrap_err();
         assert_eq!(
             err,
             PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxRunningRequests })
@@ -162,7 +158,7 @@ mod tests {
             &s,
             AdmissionLimits { max_inflight_requests: Some(0), ..Default::default() },
         );
-        assert!(matches!(now(p.pick(&[], &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
+        assert!(matches!(p.pick(&[], &request(Role::Plain)), Err(PickError::NoCandidates { .. })));
     }
 
     #[test]
@@ -186,7 +182,7 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(0, 9)), ("B", native_load(5, 1))]);
         let p = p2c(Draws::picking(3, 0, 1), &s, AdmissionLimits::default());
-        let pick = now(p.pick(&workers(&["A", "B", "C"]), &request(Role::Plain))).unwrap();
+        let pick = p.pick(&workers(&["A", "B", "C"]), &request(Role::Plain)).unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::LowerPressure));
     }
 
@@ -201,11 +197,9 @@ mod tests {
         s.loads(&[("A", a), ("B", b)]);
         let ws = workers(&["A", "B"]);
         let prefill =
-            now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Prefill)))
-                .unwrap();
+            p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Prefill)).unwrap();
         let decode =
-            now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Decode)))
-                .unwrap();
+            p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Decode)).unwrap();
         assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("A", "B"));
     }
 
@@ -215,9 +209,9 @@ mod tests {
         s.loads(&[("A", native_load(2, 2)), ("B", native_load(2, 2))]);
         s.inflight.set("A", 3);
         s.inflight.set("B", 1);
-        let pick = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
-        .unwrap();
+        let pick = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain))
+            .unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::InflightTieBreak));
     }
 
@@ -225,9 +219,9 @@ mod tests {
     fn a_complete_tie_keeps_the_first_sampled_engine() {
         let s = State::new();
         s.loads(&[("A", native_load(2, 2)), ("B", native_load(2, 2))]);
-        let pick = now(p2c(Draws::picking(2, 1, 0), &s, AdmissionLimits::default())
-            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
-        .unwrap();
+        let pick = p2c(Draws::picking(2, 1, 0), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain))
+            .unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::FirstSampled));
     }
 
@@ -237,9 +231,9 @@ mod tests {
         // Equal native reports without num_waiting_uncached_tokens; A was sent 3,000 tokens.
         s.loads(&[("A", native_load(2, 0)), ("B", native_load(2, 0))]);
         s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0 });
-        let plain = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
-        .unwrap();
+        let plain = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain))
+            .unwrap();
         assert_eq!((plain.worker.id.as_str(), plain.reason), ("B", PickReason::LowerPressure));
         // A reported queue is the engine's word, not replaced by the estimate.
         let mut a = native_load(2, 0);
@@ -247,9 +241,9 @@ mod tests {
         let mut b = native_load(2, 0);
         b.waiting_uncached_tokens = Some(10);
         s.loads(&[("A", a), ("B", b)]);
-        let reported = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
-        .unwrap();
+        let reported = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain))
+            .unwrap();
         assert_eq!(reported.worker.id, "A");
     }
 
@@ -259,12 +253,12 @@ mod tests {
         s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0 });
         s.inflight.set("B", 4);
         let pick = |stage| {
-            now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-                .pick(&workers(&["A", "B"]), &request(stage)))
-            .unwrap()
-            .worker
-            .id
-            .clone()
+            p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+                .pick(&workers(&["A", "B"]), &request(stage))
+                .unwrap()
+                .worker
+                .id
+                .clone()
         };
         assert_eq!(pick(Role::Plain), "B", "3,000 tokens still to prefill outweigh 4 requests in flight");
         assert_eq!(pick(Role::Decode), "A", "decode compares requests only");
@@ -277,16 +271,16 @@ mod tests {
         s.loads(&[("B", native_load(0, 0))]);
         s.inflight.set("A", 1);
         s.inflight.set("B", 5);
-        let pick = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
-        .unwrap();
+        let pick = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain))
+            .unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::RouterLocalLoad));
 
         // A basic report is fresh but not native: same rule.
         s.loads(&[("A", basic_load(50, 50)), ("B", native_load(0, 0))]);
-        let pick = now(p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
-            .pick(&workers(&["A", "B"]), &request(Role::Plain)))
-        .unwrap();
+        let pick = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
+            .pick(&workers(&["A", "B"]), &request(Role::Plain))
+            .unwrap();
         assert_eq!(pick.worker.id, "A");
     }
 
@@ -297,7 +291,7 @@ mod tests {
         // B wins the comparison but is at its cap: the attempt fails even though A is admissible.
         let p =
             p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits { max_running_requests: Some(1), ..Default::default() });
-        let err = now(p.pick(&workers(&["A", "B"]), &request(Role::Plain))).unwrap_err();
+        let err = p.pick(&workers(&["A", "B"]), &request(Role::Plain)).unwrap_err();
         assert_eq!(
             err,
             PickError::AdmissionRejected(Rejection { worker: "B".into(), limit: Limit::MaxRunningRequests })
@@ -323,7 +317,7 @@ mod tests {
             inflight: s.inflight.clone(),
         };
         let p = PowerOfTwoPolicy::new(Draws::picking(2, 0, 1), gate);
-        now(p.pick(&workers(&["A", "B"]), &request(Role::Plain))).unwrap();
+        p.pick(&workers(&["A", "B"]), &request(Role::Plain)).unwrap();
         assert_eq!(counting.0.load(std::sync::atomic::Ordering::SeqCst), 1, "one snapshot for selection and admission");
     }
 }

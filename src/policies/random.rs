@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::admission::AdmissionGate;
-use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
+use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::registry::Worker;
 
 #[derive(Debug)]
@@ -19,12 +19,8 @@ impl RandomPolicy {
 }
 
 impl Policy for RandomPolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        _request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready(self.gate.checked_pick(engines, self.random.below(engines.len()), PickReason::Random))
+    fn pick(&self, engines: &[Arc<Worker>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
+        self.gate.checked_pick(engines, self.random.below(engines.len()), PickReason::Random)
     }
 }
 
@@ -47,7 +43,7 @@ mod tests {
         let r = request(Role::Plain);
         let mut counts: HashMap<String, u32> = HashMap::new();
         for _ in 0..4000 {
-            *counts.entry(now(p.pick(&ws, &r)).unwrap().worker.id.clone()).or_default() += 1;
+            *counts.entry(p.pick(&ws, &r).unwrap().worker.id.clone()).or_default() += 1;
         }
         for id in ["A", "B", "C", "D"] {
             let c = counts.get(id).copied().unwrap_or(0);
@@ -62,7 +58,7 @@ mod tests {
             Arc::new(SeededRandom::new(1)),
             s.gate(AdmissionLimits { max_inflight_requests: Some(0), ..Default::default() }),
         );
-        assert!(matches!(now(p.pick(&[], &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
-        assert!(matches!(now(p.pick(&workers(&["A"]), &request(Role::Plain))), Err(PickError::AdmissionRejected(_))));
+        assert!(matches!(p.pick(&[], &request(Role::Plain)), Err(PickError::NoCandidates { .. })));
+        assert!(matches!(p.pick(&workers(&["A"]), &request(Role::Plain)), Err(PickError::AdmissionRejected(_))));
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::admission::AdmissionGate;
-use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
+use super::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::host::Host;
 use crate::registry::Worker;
 use crate::state::{keys, shared};
@@ -65,13 +65,9 @@ impl RoundRobinPolicy {
 }
 
 impl Policy for RoundRobinPolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        _request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
+    fn pick(&self, engines: &[Arc<Worker>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let index = self.cursor.next_ticket().checked_rem(engines.len() as u64).unwrap_or(0) as usize;
-        ready(self.gate.checked_pick(engines, index, PickReason::Rotation))
+        self.gate.checked_pick(engines, index, PickReason::Rotation)
     }
 }
 
@@ -91,7 +87,7 @@ mod tests {
         let p = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B", "C"]);
         let r = request(Role::Plain);
-        let ids: Vec<String> = (0..6).map(|_| now(p.pick(&ws, &r)).unwrap().worker.id.clone()).collect();
+        let ids: Vec<String> = (0..6).map(|_| p.pick(&ws, &r).unwrap().worker.id.clone()).collect();
         assert_eq!(ids, ["A", "B", "C", "A", "B", "C"]);
     }
 
@@ -112,17 +108,17 @@ mod tests {
             RoundRobinPolicy::new(Box::new(SharedCursor::new(host, "m/b2/plain")), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B"]);
         let r = request(Role::Plain);
-        assert_eq!(now(vm1.pick(&ws, &r)).unwrap().worker.id, "A");
-        assert_eq!(now(vm2.pick(&ws, &r)).unwrap().worker.id, "B");
-        assert_eq!(now(other.pick(&ws, &r)).unwrap().worker.id, "A", "another instance has its own cursor");
-        assert_eq!(now(vm1.pick(&ws, &r)).unwrap().worker.id, "A");
+        assert_eq!(vm1.pick(&ws, &r).unwrap().worker.id, "A");
+        assert_eq!(vm2.pick(&ws, &r).unwrap().worker.id, "B");
+        assert_eq!(other.pick(&ws, &r).unwrap().worker.id, "A", "another instance has its own cursor");
+        assert_eq!(vm1.pick(&ws, &r).unwrap().worker.id, "A");
     }
 
     #[test]
     fn no_candidates_is_not_an_admission_outcome() {
         let s = State::new();
         let p = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), s.gate(AdmissionLimits::default()));
-        assert!(matches!(now(p.pick(&[], &request(Role::Plain))), Err(PickError::NoCandidates { .. })));
+        assert!(matches!(p.pick(&[], &request(Role::Plain)), Err(PickError::NoCandidates { .. })));
     }
 
     #[test]
@@ -134,11 +130,11 @@ mod tests {
             s.gate(AdmissionLimits { max_inflight_requests: Some(1), ..Default::default() }),
         );
         let ws = workers(&["A", "B"]);
-        let err = now(p.pick(&ws, &request(Role::Plain))).unwrap_err();
+        let err = p.pick(&ws, &request(Role::Plain)).unwrap_err();
         assert_eq!(
             err,
             PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests })
         );
-        assert_eq!(now(p.pick(&ws, &request(Role::Plain))).unwrap().worker.id, "B");
+        assert_eq!(p.pick(&ws, &request(Role::Plain)).unwrap().worker.id, "B");
     }
 }

@@ -34,9 +34,7 @@ impl BindingPolicy {
 mod tests {
     use super::*;
     use crate::host::{Host, MemoryHost};
-    use crate::policies::{
-        BoxFuture, Limit, Pick, PickError, PickReason, PickRequest, Policy, Rejection, SeededRandom,
-    };
+    use crate::policies::{Limit, Pick, PickError, PickReason, PickRequest, Policy, Rejection, SeededRandom};
     use crate::registry::Role;
     use crate::registry::Worker;
     use crate::state::affinity_store::{Bound, Scope};
@@ -77,8 +75,8 @@ mod tests {
         let f = fixture();
         let p = f.policy(AdmissionLimits::default());
         let ws = workers(&["A", "B"]);
-        assert_eq!(now(p.pick(&ws, &request(Role::Plain))).unwrap().reason, PickReason::NoKey);
-        assert_eq!(now(p.pick(&ws, &with_session(""))).unwrap().reason, PickReason::NoKey);
+        assert_eq!(p.pick(&ws, &request(Role::Plain)).unwrap().reason, PickReason::NoKey);
+        assert_eq!(p.pick(&ws, &with_session("")).unwrap().reason, PickReason::NoKey);
         assert!(f.store.is_empty());
     }
 
@@ -87,14 +85,14 @@ mod tests {
         let f = fixture();
         let p = f.policy(AdmissionLimits::default());
         let ws = workers(&["A", "B"]);
-        let first = now(p.pick(&ws, &with_session("s1"))).unwrap();
+        let first = p.pick(&ws, &with_session("s1")).unwrap();
         assert_eq!(first.reason, PickReason::NewBinding);
         let bound = first.worker.id.clone();
         assert_eq!(f.store.get(&scope("s1")), Some(bound.clone()));
         // The bound engine is now far busier; the session stays.
         f.state.loads(&[(&bound, native_load(50, 50))]);
         for _ in 0..5 {
-            let again = now(p.pick(&ws, &with_session("s1"))).unwrap();
+            let again = p.pick(&ws, &with_session("s1")).unwrap();
             assert_eq!((again.worker.id.clone(), again.reason), (bound.clone(), PickReason::BoundReuse));
         }
     }
@@ -105,7 +103,7 @@ mod tests {
         f.store.bind(&scope("s1"), "A", None).unwrap();
         f.state.inflight.set("A", 4);
         let p = f.policy(AdmissionLimits { max_inflight_requests: Some(4), ..Default::default() });
-        let err = now(p.pick(&workers(&["A", "B"]), &with_session("s1"))).unwrap_err();
+        let err = p.pick(&workers(&["A", "B"]), &with_session("s1")).unwrap_err();
         assert_eq!(
             err,
             PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests })
@@ -118,7 +116,7 @@ mod tests {
         let f = fixture();
         f.store.bind(&scope("s1"), "Z", None).unwrap();
         let p = f.policy(AdmissionLimits::default());
-        let pick = now(p.pick(&workers(&["A"]), &with_session("s1"))).unwrap();
+        let pick = p.pick(&workers(&["A"]), &with_session("s1")).unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::NewBinding));
         assert_eq!(f.store.get(&scope("s1")).as_deref(), Some("A"));
     }
@@ -127,7 +125,7 @@ mod tests {
     fn no_binding_is_created_when_the_fallbacks_engine_is_rejected() {
         let f = fixture();
         let p = f.policy(AdmissionLimits { max_inflight_requests: Some(0), ..Default::default() });
-        assert!(matches!(now(p.pick(&workers(&["A"]), &with_session("s1"))), Err(PickError::AdmissionRejected(_))));
+        assert!(matches!(p.pick(&workers(&["A"]), &with_session("s1")), Err(PickError::AdmissionRejected(_))));
         assert!(f.store.is_empty());
     }
 
@@ -139,11 +137,7 @@ mod tests {
     }
 
     impl Policy for RacingFallback {
-        fn pick<'a>(
-            &'a self,
-            engines: &'a [Arc<Worker>],
-            r: &'a PickRequest<'a>,
-        ) -> BoxFuture<'a, Result<Pick, PickError>> {
+        fn pick(&self, engines: &[Arc<Worker>], r: &PickRequest<'_>) -> Result<Pick, PickError> {
             let scope = Scope {
                 kind: BindingKind::Session,
                 model: r.model,
@@ -153,7 +147,7 @@ mod tests {
             };
             assert_eq!(self.store.bind(&scope, self.winner, None).unwrap(), Bound::Ours, "the other VM binds first");
             let ours = engines.iter().find(|w| w.id != self.winner).cloned().unwrap();
-            Box::pin(std::future::ready(Ok(Pick { worker: ours, reason: PickReason::Random })))
+            Ok(Pick::new(ours, PickReason::Random))
         }
     }
 
@@ -171,8 +165,7 @@ mod tests {
     #[test]
     fn concurrent_first_assignments_converge_on_one_binding_which_is_checked() {
         let f = fixture();
-        let pick =
-            now(racing(&f, AdmissionLimits::default()).pick(&workers(&["A", "B"]), &with_session("s1"))).unwrap();
+        let pick = racing(&f, AdmissionLimits::default()).pick(&workers(&["A", "B"]), &with_session("s1")).unwrap();
         assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::BoundReuse), "we use the winner's engine");
         assert_eq!(f.store.get(&scope("s1")).as_deref(), Some("B"));
     }
@@ -181,9 +174,9 @@ mod tests {
     fn a_concurrent_winner_that_fails_admission_is_not_used() {
         let f = fixture();
         f.state.inflight.set("B", 1);
-        let err = now(racing(&f, AdmissionLimits { max_inflight_requests: Some(1), ..Default::default() })
-            .pick(&workers(&["A", "B"]), &with_session("s1")))
-        .unwrap_err();
+        let err = racing(&f, AdmissionLimits { max_inflight_requests: Some(1), ..Default::default() })
+            .pick(&workers(&["A", "B"]), &with_session("s1"))
+            .unwrap_err();
         assert_eq!(
             err,
             PickError::AdmissionRejected(Rejection { worker: "B".into(), limit: Limit::MaxInflightRequests })
@@ -197,7 +190,7 @@ mod tests {
         // Power-of-two with default admission would happily return A; the owner's cap rejects it.
         f.state.loads(&[("A", native_load(9, 0))]);
         let p = f.policy(AdmissionLimits { max_running_requests: Some(9), ..Default::default() });
-        let err = now(p.pick(&workers(&["A"]), &with_session("s1"))).unwrap_err();
+        let err = p.pick(&workers(&["A"]), &with_session("s1")).unwrap_err();
         assert!(matches!(err, PickError::AdmissionRejected(Rejection { limit: Limit::MaxRunningRequests, .. })));
     }
 }

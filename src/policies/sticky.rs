@@ -49,12 +49,12 @@ mod tests {
         let state = State::new();
         let p = sticky(&state, &store, AdmissionLimits::default());
         let ws = workers(&["A", "B"]);
-        let k1 = now(p.pick(&ws, &keyed("k1"))).unwrap();
-        let k2 = now(p.pick(&ws, &keyed("k2"))).unwrap();
+        let k1 = p.pick(&ws, &keyed("k1")).unwrap();
+        let k2 = p.pick(&ws, &keyed("k2")).unwrap();
         assert_eq!((k1.worker.id.as_str(), k2.worker.id.as_str()), ("A", "B"), "round-robin fallback for new keys");
         for _ in 0..3 {
-            assert_eq!(now(p.pick(&ws, &keyed("k1"))).unwrap().worker.id, "A");
-            assert_eq!(now(p.pick(&ws, &keyed("k2"))).unwrap().worker.id, "B");
+            assert_eq!(p.pick(&ws, &keyed("k1")).unwrap().worker.id, "A");
+            assert_eq!(p.pick(&ws, &keyed("k2")).unwrap().worker.id, "B");
         }
     }
 
@@ -65,7 +65,7 @@ mod tests {
         let state = State::new();
         let p = sticky(&state, &store, AdmissionLimits::default());
         let r = PickRequest { session_key: Some("s"), ..request(Role::Plain) };
-        assert_eq!(now(p.pick(&workers(&["A"]), &r)).unwrap().reason, PickReason::NoKey);
+        assert_eq!(p.pick(&workers(&["A"]), &r).unwrap().reason, PickReason::NoKey);
         assert!(store.is_empty());
     }
 }

@@ -103,6 +103,12 @@ impl Host for ProxyHost {
             .map_err(|status| HostError::Failed(format!("enqueue_shared_queue({name}): {status:?}")))
     }
 
+    fn monotonic_us(&self) -> u64 {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let elapsed = START.get_or_init(std::time::Instant::now).elapsed();
+        u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+    }
+
     fn random_u64(&self) -> u64 {
         getrandom::u64().unwrap_or_else(|_| self.now_ms().wrapping_mul(0x9e37_79b9_7f4a_7c15))
     }
@@ -124,23 +130,7 @@ pub fn dispatch(request: &CalloutRequest) -> Result<u32, HostError> {
     ];
     headers.extend(request.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let timeout = std::time::Duration::from_millis(request.timeout_ms);
-    hostcalls::dispatch_http_call(&request.cluster, headers, request.body.as_deref(), vec![], timeout)
+    let body = request.body.as_deref().map(Vec::as_slice);
+    hostcalls::dispatch_http_call(&request.cluster, headers, body, vec![], timeout)
         .map_err(|status| HostError::Failed(format!("dispatch_http_call({}): {status:?}", request.cluster)))
-}
-
-/// Policy callouts over `dispatch_http_call`. The answer is delivered to the HTTP context that was
-/// active at dispatch, which completes the board.
-#[derive(Debug, Default)]
-pub struct ProxyCallouts {
-    board: crate::host::CalloutBoard,
-}
-
-impl crate::host::Callouts for ProxyCallouts {
-    fn dispatch(&self, request: CalloutRequest) -> Result<crate::host::CalloutFuture, HostError> {
-        dispatch(&request).map(|token| self.board.register(token))
-    }
-
-    fn board(&self) -> &crate::host::CalloutBoard {
-        &self.board
-    }
 }

@@ -9,15 +9,15 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
 use super::filter::Filter;
-use super::host::{ProxyCallouts, ProxyHost};
+use super::host::ProxyHost;
 use super::service::Service;
 use super::stats::Stats;
 use crate::config;
+use crate::filter::AppContext;
 use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
-use crate::server::factory::filter_handles;
-use crate::server::AppContext;
 use crate::state::vm_registry;
+use crate::wiring::factory::filter_handles;
 use std::time::Duration;
 
 pub const FILTER_ROOT_ID: &str = "sgl_router";
@@ -95,7 +95,7 @@ impl RootContext for Root {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
-                let (handles, prefixes) = filter_handles(&parsed, host, vm, Arc::new(ProxyCallouts::default()));
+                let (handles, prefixes) = filter_handles(&parsed, host, vm);
                 self.prefixes = Some(prefixes);
                 self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));
                 self.heartbeat();

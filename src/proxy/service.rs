@@ -13,7 +13,7 @@ use super::host::{dispatch, ProxyHost};
 use super::stats::Stats;
 use crate::config::RouterConfig;
 use crate::host::Host;
-use crate::server::service::{PollKind, ServiceCore};
+use crate::service::{PollKind, ServiceCore};
 use crate::state::keys;
 
 pub struct Service {

@@ -1,5 +1,5 @@
 //! Envoy stats from the filter and the service. Each metric is defined once per VM and its id
-//! kept; names come from the core (`server::metrics`).
+//! kept; names come from the core (`filter::metrics`).
 
 use hashbrown::HashMap;
 use std::cell::RefCell;
@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
-use crate::server::metrics::{Bumps, Counter};
+use crate::wiring::counters::{Bumps, Counter};
 
 /// Metric ids: counters by their [`Counter`], so a request's counters are found without building
 /// a name; gauges and histograms by name, looked up by `&str`. A hit allocates nothing.

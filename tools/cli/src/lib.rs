@@ -1,5 +1,4 @@
 //! The CLI's pieces as a library, so tests and scripts share them.
 
-pub mod document;
 pub mod render;
 pub mod translate;

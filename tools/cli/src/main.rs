@@ -2,7 +2,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use sgl_envoy_router_cli::document;
+use sgl_envoy_router::config;
 use sgl_envoy_router_cli::render::{render, render_snippet, RenderOptions, DEFAULT_WASM};
 use sgl_envoy_router_cli::translate::translate;
 
@@ -50,7 +50,7 @@ enum Command {
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Validate { config } => match document::load(&config) {
+        Command::Validate { config } => match config::load_file(&config) {
             Ok(c) => {
                 let buckets: usize = c.models.values().map(|m| m.buckets.len()).sum();
                 println!("ok: {} workers, {} models, {} buckets", c.workers.len(), c.models.len(), buckets);
@@ -64,7 +64,7 @@ fn main() -> ExitCode {
                 eprintln!("error: --listen must be ADDR:PORT, got `{listen}`");
                 return ExitCode::FAILURE;
             };
-            let loaded = match document::load(&config) {
+            let loaded = match config::load_file(&config) {
                 Ok(c) => c,
                 Err(errors) => return report(&config, &errors),
             };
@@ -118,7 +118,7 @@ fn run_translate(model: &str, args: &[String], skip_refused: bool) -> ExitCode {
         }
     };
     // Print only what the filter would accept.
-    if let Err(errors) = document::parse(&yaml) {
+    if let Err(errors) = config::parse_document(&yaml) {
         for e in &errors.0 {
             eprintln!("error: {e}");
         }

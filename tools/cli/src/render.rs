@@ -2,10 +2,10 @@
 
 use serde_json::{json, Value};
 use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
+use sgl_envoy_router::filter::generation::Endpoint;
+use sgl_envoy_router::filter::{ErrorKind, RouteError};
 use sgl_envoy_router::registry::EngineAddress;
-use sgl_envoy_router::server::factory;
-use sgl_envoy_router::server::routes::chat::Endpoint;
-use sgl_envoy_router::server::{ErrorKind, RouteError};
+use sgl_envoy_router::wiring::factory;
 
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
 const VM_ID: &str = "sgl_router";

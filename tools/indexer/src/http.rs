@@ -16,9 +16,11 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
-use serde_json::{json, Map, Value};
-use sgl_envoy_router::state::kv_events::remote::ROUTED_NOTICE_HEADER;
+use serde_json::{json, Value};
+use sgl_envoy_router::protocol::indexer::{
+    EngineEntry, MatchAnswer, Query, RoutedNotice, MATCH_PATH, MAX_INDEXER_BODY_BYTES, QUERY_PATH,
+    ROUTED_NOTICE_HEADER, ROUTED_PATH,
+};
 
 use crate::events::Medium;
 use crate::index::EngineMatch;
@@ -28,7 +30,7 @@ use tower_http::catch_panic::{CatchPanicLayer, ResponseForPanic};
 
 /// Request bodies accepted at most (spec §7); the filter routes a larger request on the estimate
 /// without asking.
-pub const MAX_BODY_BYTES: usize = 4 << 20;
+pub const MAX_BODY_BYTES: usize = MAX_INDEXER_BODY_BYTES;
 
 /// The query API with its guards: every POST needs the configured token, bodies over
 /// [`MAX_BODY_BYTES`] get 413, matching waits for one of `app`'s work permits no longer than the
@@ -36,9 +38,9 @@ pub const MAX_BODY_BYTES: usize = 4 << 20;
 pub fn router(app: Arc<App>) -> Router {
     let panics = Arc::clone(&app.stats.panics);
     let writes = Router::new()
-        .route("/query", post(query))
-        .route("/v1/prefix/match", post(prefix_match))
-        .route("/v1/prefix/routed", post(routed))
+        .route(QUERY_PATH, post(query))
+        .route(MATCH_PATH, post(prefix_match))
+        .route(ROUTED_PATH, post(routed))
         .route_layer(axum::middleware::from_fn_with_state(Arc::clone(&app), require_token));
     Router::new()
         .merge(writes)
@@ -71,7 +73,7 @@ impl ResponseForPanic for PanicAnswer {
 async fn require_token(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     if !app.authorized(request.headers()) {
         app.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
-        if request.uri().path() == "/v1/prefix/routed" {
+        if request.uri().path() == ROUTED_PATH {
             app.stats.routed_refused.fetch_add(1, Ordering::Relaxed);
         }
         return (StatusCode::UNAUTHORIZED, "missing or wrong token").into_response();
@@ -100,30 +102,24 @@ fn error(app: &App, status: StatusCode, message: impl Into<String>) -> Response 
         .into_response()
 }
 
-/// `{"<worker>": {"matched_tokens", "confirmed_tokens", "GPU", "CPU_PINNED", "DISK", "EXTERNAL"}}`.
-fn data(matches: &[(String, EngineMatch)]) -> Value {
-    let mut out = Map::new();
-    for (worker, m) in matches {
-        let mut entry = Map::new();
-        entry.insert("matched_tokens".into(), json!(m.matched_tokens));
-        entry.insert("confirmed_tokens".into(), json!(m.confirmed_tokens));
-        for medium in Medium::ALL {
-            let tokens = m.by_medium.iter().find(|(x, _)| *x == medium).map_or(0, |(_, t)| *t);
-            entry.insert(medium.as_str().into(), json!(tokens));
-        }
-        out.insert(worker.clone(), Value::Object(entry));
-    }
-    Value::Object(out)
-}
-
-#[derive(Debug, Deserialize)]
-struct Query {
-    model: String,
-    token_ids: Vec<u32>,
-    #[serde(default)]
-    lora_name: Option<String>,
-    #[serde(default)]
-    cache_salt: Option<String>,
+/// The answer's shape is the filter's own ([`MatchAnswer`]): every engine's entry by id.
+fn answer(input_tokens: Option<u64>, matches: Vec<(String, EngineMatch)>, handle: u64) -> MatchAnswer {
+    let data = matches
+        .into_iter()
+        .map(|(worker, m)| {
+            let held = |medium: Medium| m.by_medium.iter().find(|(x, _)| *x == medium).map_or(0, |(_, t)| *t);
+            let entry = EngineEntry {
+                matched_tokens: m.matched_tokens,
+                confirmed_tokens: m.confirmed_tokens,
+                gpu: Some(held(Medium::Gpu)),
+                cpu_pinned: held(Medium::CpuPinned),
+                disk: held(Medium::Disk),
+                external: held(Medium::External),
+            };
+            (worker, entry)
+        })
+        .collect();
+    MatchAnswer { input_tokens, data, handle: Some(handle.to_string()) }
 }
 
 /// Only the matches of a caller that promises routed notices open claims (see `claims`).
@@ -133,7 +129,7 @@ fn will_notify(headers: &HeaderMap) -> bool {
 
 async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let deadline = app.deadline();
-    let q: Query = match serde_json::from_slice(&body) {
+    let q: Query<'_> = match serde_json::from_slice(&body) {
         Ok(q) => q,
         Err(e) => return error(&app, StatusCode::BAD_REQUEST, format!("not a query: {e}")),
     };
@@ -146,7 +142,7 @@ async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> 
     };
     let (lora, salt) = (q.lora_name.as_deref(), q.cache_salt.as_deref());
     match app.match_tokens(&q.model, &q.token_ids, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(json!({"data": data(&matches), "handle": handle.to_string()})).into_response(),
+        Some((matches, handle)) => Json(answer(None, matches, handle)).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{}` has no index", q.model)),
     }
 }
@@ -190,24 +186,13 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
     let salt = chat.get("cache_salt").and_then(Value::as_str);
     let lora = chat.get("lora_path").and_then(Value::as_str);
     match app.match_tokens(&model, &tokens, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(json!({
-            "input_tokens": tokens.len(),
-            "data": data(&matches),
-            "handle": handle.to_string(),
-        }))
-        .into_response(),
+        Some((matches, handle)) => Json(answer(Some(tokens.len() as u64), matches, handle)).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{model}` has no index")),
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct Routed {
-    handle: String,
-    worker: String,
-}
-
 async fn routed(State(app): State<Arc<App>>, body: Bytes) -> Response {
-    let notice: Routed = match serde_json::from_slice(&body) {
+    let notice: RoutedNotice<'_> = match serde_json::from_slice(&body) {
         Ok(n) => n,
         Err(e) => return error(&app, StatusCode::BAD_REQUEST, format!("not a routed notice: {e}")),
     };

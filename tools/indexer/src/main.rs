@@ -39,10 +39,8 @@ struct Args {
     insecure: bool,
 }
 
-fn load(path: &PathBuf) -> Result<config::RouterConfig, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let value: serde_json::Value = serde_yaml_ng::from_str(&text).map_err(|e| format!("(document): {e}"))?;
-    config::from_value(value).map_err(|errors| errors.0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))
+fn load(path: &std::path::Path) -> Result<config::RouterConfig, String> {
+    config::load_file(path).map_err(|errors| errors.0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))
 }
 
 // A panic is caught per request and answered 500 (`http::router`); with `panic = "abort"` it would

@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use proptest::test_runner::{Config, FileFailurePersistence};
+use proptest::test_runner::Config;
 use rmpv::Value as V;
 use serde_json::{json, Value};
 use sgl_indexer::events::{decode_frames, replay_frames, KvEvent};
@@ -22,15 +22,9 @@ use sgl_indexer::index::{block_keys, Index};
 use sgl_indexer::state::{App, MemoryBudget};
 use tower::ServiceExt;
 
-fn config() -> Config {
-    let cases = std::env::var("FUZZ_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(1_000_000);
-    Config {
-        cases,
-        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
-        max_shrink_iters: 2_000,
-        ..Config::default()
-    }
-}
+#[path = "../../../tests/support/fuzz_config.rs"]
+mod fuzz_config;
+use fuzz_config::config;
 
 /// Names the decoder looks for, so generated events reach past the first check.
 const EVENT_KEYS: &[&str] = &[

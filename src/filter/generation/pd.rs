@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
+use crate::filter::{ErrorKind, RouteError};
 use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
 use crate::registry::{Worker, DEFAULT_BOOTSTRAP_PORT};
-use crate::server::upstream::UpstreamAnswer;
-use crate::server::{ErrorKind, RouteError};
+use crate::wiring::upstream::UpstreamAnswer;
 
 /// What the filter sends where for one PD request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +80,7 @@ impl PdDispatch {
             path: self.path.to_string(),
             authority: self.prefill.address.host_port(),
             headers,
-            body: Some(std::mem::take(&mut self.body)),
+            body: Some(Arc::new(std::mem::take(&mut self.body))),
             timeout_ms: self.prefill_timeout_ms,
         }
     }
@@ -301,7 +301,10 @@ mod tests {
             [("authorization".to_string(), "Bearer k".to_string()), ("content-type".into(), "application/json".into())]
         );
         assert_eq!((r.cluster.as_str(), r.method.as_str(), r.path.as_str()), ("sgl_P1", "POST", CHAT_PATH));
-        assert_eq!((r.authority.as_str(), r.body.as_deref(), r.timeout_ms), ("127.0.0.1:1", Some(&b"{}"[..]), 7));
+        assert_eq!(
+            (r.authority.as_str(), r.body.as_deref().map(Vec::as_slice), r.timeout_ms),
+            ("127.0.0.1:1", Some(&b"{}"[..]), 7)
+        );
     }
 
     #[test]

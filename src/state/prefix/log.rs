@@ -201,7 +201,7 @@ impl PrefixReplica {
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
-    use crate::state::kv_events::Tier;
+    use crate::state::prefix::Tier;
     use crate::testing::test;
 
     fn budgets() -> Budgets {

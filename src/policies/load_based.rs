@@ -6,15 +6,15 @@
 use std::sync::Arc;
 
 use super::admission::AdmissionGate;
-use super::{ready, BoxFuture, Pick, PickError, PickReason, PickRequest, Policy};
+use super::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Worker;
 
 #[derive(Debug)]
-pub struct LeastLoadPolicy {
+pub struct LoadBasedPolicy {
     gate: AdmissionGate,
 }
 
-impl LeastLoadPolicy {
+impl LoadBasedPolicy {
     pub fn new(gate: AdmissionGate) -> Self {
         Self { gate }
     }
@@ -48,7 +48,7 @@ impl LeastLoadPolicy {
             return Err(PickError::no_candidates("load_based has no candidates"));
         };
         match self.gate.check_with(best, snapshot.get(&best.id)) {
-            Ok(()) => return Ok(Pick { worker: Arc::clone(best), reason: PickReason::LeastLoad }),
+            Ok(()) => return Ok(Pick::new(Arc::clone(best), PickReason::LeastLoad)),
             Err(PickError::AdmissionRejected(_)) => {}
             Err(other) => return Err(other),
         }
@@ -57,13 +57,9 @@ impl LeastLoadPolicy {
     }
 }
 
-impl Policy for LeastLoadPolicy {
-    fn pick<'a>(
-        &'a self,
-        engines: &'a [Arc<Worker>],
-        _request: &'a PickRequest<'a>,
-    ) -> BoxFuture<'a, Result<Pick, PickError>> {
-        ready(self.choose(engines))
+impl Policy for LoadBasedPolicy {
+    fn pick(&self, engines: &[Arc<Worker>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
+        self.choose(engines)
     }
 }
 
@@ -78,7 +74,7 @@ mod tests {
     use crate::testing::*;
 
     fn pick(s: &State, limits: AdmissionLimits, ids: &[&str]) -> Result<Pick, PickError> {
-        now(LeastLoadPolicy::new(s.gate(limits)).pick(&workers(ids), &request(Role::Plain)))
+        LoadBasedPolicy::new(s.gate(limits)).pick(&workers(ids), &request(Role::Plain))
     }
 
     #[test]

@@ -1,9 +1,7 @@
 //! The route table: which of the filter's endpoints a request is, from its method and path.
 
-pub mod chat;
-pub mod models;
-
-use self::chat::Endpoint;
+use super::generation::Endpoint;
+use super::models;
 use super::{ErrorKind, RouteError};
 
 /// What the filter does with a request.

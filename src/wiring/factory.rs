@@ -11,21 +11,20 @@ use crate::config::{
     AdmissionLimits, CacheSourceKind, CircuitBreakerConfig, GroupConfig, GroupsConfig, HealthConfig, LoadSource,
     ModelConfig, PolicyConfig, RouterConfig, StickyFallback,
 };
-use crate::host::{Callouts, Host};
+use crate::host::Host;
 use crate::policies::admission::AdmissionGate;
 use crate::policies::cache_aware::{CacheAwarePolicy, CacheSource, LocalCacheSource, RemoteCacheSource};
 use crate::policies::{
-    LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SeededRandom,
+    LoadBasedPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SeededRandom,
     SessionAwarePolicy, SharedCursor, StickyPolicy,
 };
 use crate::registry::{AllAvailable, EngineAddress, Role, Worker, WorkerRegistry, DEFAULT_BOOTSTRAP_PORT};
-use crate::server::metrics::HeldCounters;
 use crate::state::affinity_store::AffinityStore;
 use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
-use crate::state::kv_events::remote::IndexerClient;
-use crate::state::kv_events::{Budgets, PrefixOutbox, PrefixReplica};
 use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView, SYNC_MS};
+use crate::state::prefix::{Budgets, PrefixOutbox, PrefixReplica};
+use crate::wiring::counters::HeldCounters;
 
 /// The application's shared state, handed to every policy that needs part of it.
 #[derive(Debug, Clone)]
@@ -36,7 +35,6 @@ pub struct StateHandles {
     pub inflight: Arc<dyn InflightTable>,
     pub random: Arc<dyn RandomSource>,
     /// For policies that await a remote answer.
-    pub callouts: Arc<dyn crate::host::Callouts>,
     /// Session and routing-key bindings.
     pub affinity: Arc<AffinityStore>,
     /// The prefix index `source: local` cache-aware policies read.
@@ -54,12 +52,7 @@ pub struct StateHandles {
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
 /// in-flight shares (`vm` names them), and its own prefix replica, returned also on its own because
 /// the glue keeps it current between requests.
-pub fn filter_handles(
-    config: &RouterConfig,
-    host: Arc<dyn Host>,
-    vm: u64,
-    callouts: Arc<dyn Callouts>,
-) -> (StateHandles, Arc<LocalCacheSource>) {
+pub fn filter_handles(config: &RouterConfig, host: Arc<dyn Host>, vm: u64) -> (StateHandles, Arc<LocalCacheSource>) {
     let inflight: Arc<dyn InflightTable> =
         Arc::new(SharedInflight::new(Arc::clone(&host), vm, config.workers.iter().map(|w| w.id.as_str())));
     let prefixes = Arc::new(LocalCacheSource::new(
@@ -73,7 +66,6 @@ pub fn filter_handles(
         load: Arc::new(SharedLoadView::new(Arc::clone(&host), config.load.stale_after_ms, SYNC_MS)),
         inflight,
         random: Arc::new(SeededRandom::from_host(host.as_ref())),
-        callouts,
         affinity: Arc::new(AffinityStore::new(Arc::clone(&host))),
         prefixes: Arc::clone(&prefixes) as Arc<dyn CacheSource>,
         remote_prefixes: Arc::new(RemoteCacheSource),
@@ -211,7 +203,7 @@ fn fallback_policy(kind: StickyFallback, instance: &str, handles: &StateHandles)
         )),
         StickyFallback::Random => Box::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
         StickyFallback::PowerOfTwo => Box::new(PowerOfTwoPolicy::new(Arc::clone(&handles.random), gate)),
-        StickyFallback::LoadBased => Box::new(LeastLoadPolicy::new(gate)),
+        StickyFallback::LoadBased => Box::new(LoadBasedPolicy::new(gate)),
     }
 }
 
@@ -229,7 +221,7 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
         }
         PolicyConfig::Random(_) => Arc::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::PowerOfTwo(_) => Arc::new(PowerOfTwoPolicy::new(Arc::clone(&handles.random), gate)),
-        PolicyConfig::LoadBased(_) => Arc::new(LeastLoadPolicy::new(gate)),
+        PolicyConfig::LoadBased(_) => Arc::new(LoadBasedPolicy::new(gate)),
         PolicyConfig::SessionAware(_) => Arc::new(SessionAwarePolicy::session_aware(
             Arc::clone(&handles.affinity),
             gate,
@@ -254,22 +246,6 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
             site.prefill_tokens_per_ms,
         )),
     }
-}
-
-/// The indexer client when `prefix_index` is configured (its URL was validated).
-pub fn indexer_client(config: &RouterConfig, callouts: Arc<dyn crate::host::Callouts>) -> Option<IndexerClient> {
-    let index = config.prefix_index.as_ref()?;
-    let authority = EngineAddress::parse(&index.url).ok()?.host_port();
-    let token = index.token_header.clone().zip(index.token.clone());
-    Some(IndexerClient::new(
-        callouts,
-        index.cluster.clone(),
-        authority,
-        index.timeout_ms,
-        index.max_concurrent,
-        token,
-        index.api,
-    ))
 }
 
 /// Each model's prefix-tree budget in bytes: the largest `max_tree_tokens` of its `source: local`

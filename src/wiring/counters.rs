@@ -1,15 +1,11 @@
-//! Names of the counters the filter bumps (Envoy stats). Labels are encoded in the name as
-//! `<metric>.<label>.<value>` and turned into Prometheus tags by the `stats_tags` that `render`
-//! emits.
+//! The counters the filter bumps (Envoy stats) and how a VM holds them back. Labels are encoded in
+//! the name as `<metric>.<label>.<value>` and turned into Prometheus tags by the `stats_tags` that
+//! `render` emits.
 
 use std::sync::{Arc, Mutex};
 
-use crate::buckets::BucketPick;
-use crate::policies::{Limit, Pick, PickReason};
+use crate::policies::{Limit, PickReason};
 use crate::registry::{Role, Worker};
-use crate::server::routes::chat::bucket_loop::SkippedBucket;
-use crate::server::routes::chat::{Selection, SelectionFailure};
-use crate::server::ErrorKind;
 use crate::state::schedule::Batched;
 
 pub const SELECTION_US: &str = "sgl_router_selection_us";
@@ -132,49 +128,6 @@ impl HeldCounters {
     fn take_with(&self, take: impl FnOnce(&mut Batched<Bumps>) -> Option<Bumps>) -> Bumps {
         self.held.lock().ok().and_then(|mut held| take(&mut held)).unwrap_or_default()
     }
-}
-
-pub fn error_outcome(kind: ErrorKind) -> Counter {
-    Counter::Outcome(kind.type_name())
-}
-
-fn rejection_counters<'a>(skipped: impl IntoIterator<Item = &'a SkippedBucket>) -> Vec<Counter> {
-    skipped.into_iter().flat_map(|s| s.error.rejections().iter().map(|r| Counter::Rejection(r.limit))).collect()
-}
-
-/// Counters for a completed selection. A plain request's outcome is known now; a PD request's
-/// only when its prefill answered (the exchange counts it).
-pub fn selected(selection: &Selection) -> Vec<Counter> {
-    // Why each engine was chosen: a cache hit, a confirmed miss and an unavailable index stay apart.
-    fn picked(counters: &mut Vec<Counter>, stage: Role, p: &Pick) {
-        counters.push(Counter::Pick(stage, Arc::clone(&p.worker)));
-        counters.push(Counter::PickReason(stage, p.reason));
-    }
-    let mut counters = Vec::with_capacity(6);
-    counters.push(Counter::BucketSelected(Arc::clone(&selection.bucket_id)));
-    match &selection.pick {
-        BucketPick::Plain(p) => {
-            picked(&mut counters, Role::Plain, p);
-            counters.push(Counter::Outcome("routed"));
-        }
-        BucketPick::Pd { prefill, decode } => {
-            picked(&mut counters, Role::Prefill, prefill);
-            picked(&mut counters, Role::Decode, decode);
-        }
-    }
-    counters.extend(rejection_counters(&selection.skipped));
-    counters
-}
-
-/// Counters for a selection that failed.
-pub fn failed(failure: &SelectionFailure) -> Vec<Counter> {
-    let mut counters = vec![error_outcome(failure.to_route_error().kind)];
-    match failure {
-        SelectionFailure::Exhausted(skipped) => counters.extend(rejection_counters(skipped)),
-        SelectionFailure::Stopped(s) => counters.extend(rejection_counters(std::iter::once(s))),
-        _ => {}
-    }
-    counters
 }
 
 #[cfg(test)]

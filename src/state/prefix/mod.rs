@@ -9,7 +9,6 @@ mod events;
 mod log;
 mod outbox;
 mod radix;
-pub mod remote;
 pub mod wire;
 
 pub use events::{apply, PrefixEvent, Tier};

@@ -4,11 +4,11 @@
 use serde_json::Value;
 
 use super::chat_body::{ChatBody, Message, Messages};
-use crate::server::RouteError;
+use crate::filter::RouteError;
 
 /// What routing needs to know about a chat request.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ChatFacts {
+pub struct RequestFacts {
     pub model: String,
     pub stream: bool,
     pub n: u64,
@@ -19,8 +19,36 @@ pub struct ChatFacts {
     pub expected_peak_tokens: Option<u64>,
 }
 
+impl RequestFacts {
+    /// The facts of every endpoint, from what its body says: `budget` is the output budget as
+    /// given and the field it came from; the expected peak is the input plus it.
+    pub(super) fn new(
+        model: String,
+        stream: bool,
+        n: u64,
+        budget: Option<(i128, &str)>,
+        input_tokens: u64,
+    ) -> Result<Self, RouteError> {
+        let output_budget = budget
+            .map(|(b, field)| {
+                u64::try_from(b).map_err(|_| RouteError::invalid(format!("`{field}` must be at least 0")))
+            })
+            .transpose()?;
+        let expected_peak_tokens = output_budget
+            .map(|b| {
+                input_tokens.checked_add(b).ok_or_else(|| {
+                    RouteError::invalid(format!(
+                        "output budget {b} plus {input_tokens} input tokens overflows the expected peak"
+                    ))
+                })
+            })
+            .transpose()?;
+        Ok(Self { model, stream, n, output_budget, input_tokens, expected_peak_tokens })
+    }
+}
+
 /// Parses and validates a chat body. `bytes_per_token` is ≥ 1 (validated configuration).
-pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<ChatFacts, RouteError> {
+pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<RequestFacts, RouteError> {
     prepare_chat(body, bytes_per_token, false).map(|(facts, _)| facts)
 }
 
@@ -30,7 +58,7 @@ pub fn prepare_chat(
     body: &[u8],
     bytes_per_token: u64,
     want_prompt: bool,
-) -> Result<(ChatFacts, Option<String>), RouteError> {
+) -> Result<(RequestFacts, Option<String>), RouteError> {
     let view = read_object::<ChatBody>(body)?;
     let model = required_model(view.model.as_ref())?;
     let messages = match &view.messages {
@@ -41,25 +69,13 @@ pub fn prepare_chat(
     let stream = stream_flag(view.stream.as_ref())?;
     validate_sampling(|field| view.field(field))?;
     let n = sequences(optional_integer(view.n.as_ref(), "n")?, 1)?;
-    let output_budget = match optional_integer(view.max_completion_tokens.as_ref(), "max_completion_tokens")? {
-        Some(b) => Some(b),
-        None => optional_integer(view.max_tokens.as_ref(), "max_tokens")?,
+    let budget = match optional_integer(view.max_completion_tokens.as_ref(), "max_completion_tokens")? {
+        Some(b) => Some((b, "max_completion_tokens")),
+        None => optional_integer(view.max_tokens.as_ref(), "max_tokens")?.map(|b| (b, "max_tokens")),
     };
-    let output_budget = output_budget
-        .map(|b| u64::try_from(b).map_err(|_| RouteError::invalid("the output budget must be at least 0")))
-        .transpose()?;
     let text_bytes = messages.iter().map(Message::text_bytes).fold(0u64, u64::saturating_add);
     let input_tokens = text_bytes.div_ceil(bytes_per_token.max(1));
-    let expected_peak_tokens = output_budget
-        .map(|b| {
-            input_tokens.checked_add(b).ok_or_else(|| {
-                RouteError::invalid(format!(
-                    "output budget {b} plus {input_tokens} input tokens overflows the expected peak"
-                ))
-            })
-        })
-        .transpose()?;
-    let facts = ChatFacts { model, stream, n, output_budget, input_tokens, expected_peak_tokens };
+    let facts = RequestFacts::new(model, stream, n, budget, input_tokens)?;
     Ok((facts, want_prompt.then(|| prompt_text(messages))))
 }
 
@@ -213,9 +229,9 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::server::ErrorKind;
+    use crate::filter::ErrorKind;
 
-    fn facts(body: serde_json::Value) -> Result<ChatFacts, RouteError> {
+    fn facts(body: serde_json::Value) -> Result<RequestFacts, RouteError> {
         prepare(body.to_string().as_bytes(), 4)
     }
 

@@ -67,7 +67,7 @@ impl std::fmt::Debug for PrefixOutbox {
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
-    use crate::state::kv_events::Tier;
+    use crate::state::prefix::Tier;
     use crate::testing::test;
 
     fn stored(text: &str) -> PrefixEvent {

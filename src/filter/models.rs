@@ -4,7 +4,7 @@
 use serde_json::{json, Value};
 
 use crate::config::RouterConfig;
-use crate::server::{ErrorKind, RouteError};
+use crate::filter::{ErrorKind, RouteError};
 
 pub const MODELS_PATH: &str = "/v1/models";
 /// `GET /v1/models/{id}`: the id is the rest of the path (model names may hold `/`).

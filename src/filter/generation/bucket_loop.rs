@@ -6,12 +6,10 @@
 use std::sync::Arc;
 
 use crate::buckets::{BucketPick, BucketRequest, BucketResolver, ResolveError};
-use crate::policies::cache_aware::CacheSource;
-use crate::policies::{BoxFuture, PickError, Rejection};
+use crate::filter::{ErrorKind, RouteError};
+use crate::policies::{PickError, Rejection};
 use crate::registry::LiveWorkers;
 use crate::registry::Role;
-use crate::server::{ErrorKind, RouteError};
-use crate::state::kv_events::remote::IndexerAnswer;
 
 /// The complete selection and the attempts that failed before it (for stats).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,64 +92,48 @@ fn describe(s: &SkippedBucket, r: &Rejection) -> String {
     format!("{}/{}/{}: {}", s.bucket_id, s.stage.as_str(), r.worker, r.limit.as_str())
 }
 
-/// The indexer's callout for this request (spec §7) and the source its answer is for.
-pub struct IndexerLookup {
-    pub answer: BoxFuture<'static, IndexerAnswer>,
-    pub source: Arc<dyn CacheSource>,
-    /// The request's output budget, to recompute the expected peak from exact tokens.
-    pub output_budget: Option<u64>,
-}
-
-/// Owns everything it needs, so a pending selection can be kept across host callbacks. With an
-/// indexer lookup, its one answer comes first: exact input tokens replace the estimate for bucket
-/// resolution, and the matches become the request's memo (design §2, §6); unavailable keeps the
-/// estimate and leaves cache selection to its load fallback.
+/// Tries each bucket the request's length fits, in order, until one supplies its complete
+/// selection. The request carries every fact selection reads, the indexer's answer among them.
 pub fn select(
-    resolver: Arc<BucketResolver>,
-    live: LiveWorkers,
-    mut request: BucketRequest,
-    indexer: Option<IndexerLookup>,
-) -> BoxFuture<'static, Result<Selection, SelectionFailure>> {
-    Box::pin(async move {
-        if let Some(lookup) = indexer {
-            let answer = lookup.answer.await;
-            if let Some(exact) = request.prefix_memo.record_indexer(&lookup.source, answer) {
-                request.input_tokens = exact;
-                request.expected_peak_tokens = lookup.output_budget.map(|b| exact.saturating_add(b));
+    resolver: &BucketResolver,
+    live: &LiveWorkers,
+    request: &BucketRequest,
+) -> Result<Selection, SelectionFailure> {
+    let buckets = resolver
+        .resolve(request.input_tokens, request.expected_peak_tokens)
+        .map_err(SelectionFailure::InvalidSignal)?;
+    if buckets.is_empty() {
+        return Err(SelectionFailure::NoMatchingBucket {
+            input_tokens: request.input_tokens,
+            expected_peak_tokens: request.expected_peak_tokens,
+        });
+    }
+    let mut skipped = Vec::new();
+    for bucket in buckets {
+        match bucket.pick_engines(live, request) {
+            Ok(pick) => {
+                return Ok(Selection {
+                    bucket_id: bucket.id.clone(),
+                    pick,
+                    skipped,
+                    input_tokens: request.input_tokens,
+                })
             }
-        }
-        let buckets = resolver
-            .resolve(request.input_tokens, request.expected_peak_tokens)
-            .map_err(SelectionFailure::InvalidSignal)?;
-        if buckets.is_empty() {
-            return Err(SelectionFailure::NoMatchingBucket {
-                input_tokens: request.input_tokens,
-                expected_peak_tokens: request.expected_peak_tokens,
-            });
-        }
-        let mut skipped = Vec::new();
-        for bucket in buckets {
-            match bucket.pick_engines(&live, &request).await {
-                Ok(pick) => {
-                    let input_tokens = request.input_tokens;
-                    return Ok(Selection { bucket_id: bucket.id.clone(), pick, skipped, input_tokens });
-                }
-                Err(failure) => {
-                    let attempt =
-                        SkippedBucket { bucket_id: bucket.id.clone(), stage: failure.stage, error: failure.error };
-                    match attempt.error {
-                        PickError::NoCandidates { .. }
-                        | PickError::AdmissionRejected(_)
-                        | PickError::NoAdmissibleEngine { .. } => skipped.push(attempt),
-                        PickError::InvalidSignal(_)
-                        | PickError::InvalidConfiguration(_)
-                        | PickError::OutsideCandidates { .. } => return Err(SelectionFailure::Stopped(attempt)),
-                    }
+            Err(failure) => {
+                let attempt =
+                    SkippedBucket { bucket_id: bucket.id.clone(), stage: failure.stage, error: failure.error };
+                match attempt.error {
+                    PickError::NoCandidates { .. }
+                    | PickError::AdmissionRejected(_)
+                    | PickError::NoAdmissibleEngine { .. } => skipped.push(attempt),
+                    PickError::InvalidSignal(_)
+                    | PickError::InvalidConfiguration(_)
+                    | PickError::OutsideCandidates { .. } => return Err(SelectionFailure::Stopped(attempt)),
                 }
             }
         }
-        Err(SelectionFailure::Exhausted(skipped))
-    })
+    }
+    Err(SelectionFailure::Exhausted(skipped))
 }
 
 #[cfg(test)]
@@ -163,11 +145,10 @@ mod tests {
 
     use super::*;
     use crate::buckets::{Bucket, BucketGroups, EngineGroup};
-    use crate::policies::cache_aware::CacheLookup;
+    use crate::filter::ErrorKind;
     use crate::policies::{Limit, PickError, Rejection};
     use crate::registry::Worker;
-    use crate::server::ErrorKind;
-    use crate::testing::{now, worker_with, Scripted};
+    use crate::testing::{worker_with, Scripted};
 
     fn plain_bucket(id: &str, capacity: u64, policy: Arc<Scripted>) -> Bucket {
         Bucket {
@@ -209,7 +190,7 @@ mod tests {
     }
 
     fn run(buckets: Vec<Bucket>, live: LiveWorkers, req: BucketRequest) -> Result<Selection, SelectionFailure> {
-        now(select(Arc::new(BucketResolver::new(buckets)), live, req, None))
+        select(&BucketResolver::new(buckets), &live, &req)
     }
 
     fn rejected(worker: &str, limit: Limit) -> PickError {
@@ -414,102 +395,5 @@ mod tests {
                 (other, w) => prop_assert!(false, "unexpected {:?} for winner {:?}", other, w),
             }
         }
-    }
-
-    /// A policy that asks a remote service which engine to use.
-    #[derive(Debug)]
-    struct AskRemote(Arc<crate::host::MemoryCallouts>);
-
-    impl crate::policies::Policy for AskRemote {
-        fn pick<'a>(
-            &'a self,
-            engines: &'a [Arc<Worker>],
-            _: &'a crate::policies::PickRequest<'a>,
-        ) -> BoxFuture<'a, Result<crate::policies::Pick, PickError>> {
-            use crate::host::Callouts;
-            Box::pin(async move {
-                let request = crate::host::CalloutRequest {
-                    cluster: "indexer".into(),
-                    method: "GET".into(),
-                    path: "/which".into(),
-                    authority: "indexer".into(),
-                    headers: vec![],
-                    body: None,
-                    timeout_ms: 100,
-                };
-                let answer = self.0.dispatch(request).map_err(|e| PickError::InvalidSignal(e.to_string()))?.await;
-                let id = String::from_utf8_lossy(&answer.body).to_string();
-                engines
-                    .iter()
-                    .find(|w| w.id == id)
-                    .map(|w| crate::policies::Pick {
-                        worker: Arc::clone(w),
-                        reason: crate::policies::PickReason::Rotation,
-                    })
-                    .ok_or_else(|| PickError::no_candidates("remote named no candidate"))
-            })
-        }
-    }
-
-    #[test]
-    fn a_selection_waits_for_a_policys_callout_and_finishes_when_it_answers() {
-        use crate::host::{CalloutResponse, Callouts};
-        let callouts = Arc::new(crate::host::MemoryCallouts::default());
-        let bucket = Bucket {
-            id: "b".into(),
-            rank: 0,
-            min_input: 0,
-            max_input: None,
-            max_context: None,
-            groups: BucketGroups::Plain(EngineGroup::new(Role::Plain, Arc::new(AskRemote(Arc::clone(&callouts))))),
-        };
-        let live = live(vec![worker_with("A", Role::Plain, "m"), worker_with("B", Role::Plain, "m")]);
-        let mut future = select(Arc::new(BucketResolver::new(vec![bucket])), live, request(10, None), None);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        assert!(future.as_mut().poll(&mut cx).is_pending(), "waiting on the callout");
-        assert_eq!(callouts.sent.lock().unwrap().len(), 1, "exactly one callout");
-        assert!(future.as_mut().poll(&mut cx).is_pending(), "still waiting; no second callout");
-        assert_eq!(callouts.sent.lock().unwrap().len(), 1);
-        callouts.board().complete(1, CalloutResponse { status: Some(200), body: b"B".to_vec() });
-        match future.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(Ok(Selection { pick: BucketPick::Plain(p), .. })) => assert_eq!(p.worker.id, "B"),
-            other => panic!("expected a selection, got {other:?}"),
-        }
-    }
-
-    fn with_indexer(answer: IndexerAnswer, budget: Option<u64>) -> (Arc<dyn CacheSource>, Option<IndexerLookup>) {
-        let source: Arc<dyn CacheSource> = Arc::new(crate::policies::cache_aware::RemoteCacheSource);
-        let lookup = IndexerLookup {
-            answer: Box::pin(std::future::ready(answer)),
-            source: Arc::clone(&source),
-            output_budget: budget,
-        };
-        (source, Some(lookup))
-    }
-
-    #[test]
-    fn exact_tokens_from_the_indexer_pick_the_bucket_the_estimate_would_miss() {
-        use crate::state::kv_events::remote::{IndexerMatch, PrefixHit};
-        let buckets =
-            || vec![plain_bucket("short", 100, Scripted::first()), plain_bucket("long", 10_000, Scripted::first())];
-        // A CJK prompt: few bytes a token, so the byte estimate says 50 where the tokenizer says 500.
-        let hit = PrefixHit { worker: "A".into(), matched_tokens: 400, gpu_tokens: 400 };
-        let answer = Ok(IndexerMatch { input_tokens: 500, hits: vec![hit.clone()], handle: Some("9".into()) });
-        let (source, lookup) = with_indexer(answer, Some(20));
-        let req = request(50, Some(70));
-        let memo = Arc::clone(&req.prefix_memo);
-        let s = now(select(Arc::new(BucketResolver::new(buckets())), plain_live(), req, lookup)).unwrap();
-        assert_eq!(&*s.bucket_id, "long");
-        assert_eq!(memo.indexer_verdict(), Some(("hit", Some("9".to_string()))));
-        assert_eq!(memo.get(&source).as_deref(), Some(&CacheLookup::Matches(vec![hit])));
-
-        // The indexer is down: the estimate decides, and the lookup is unavailable, not a miss.
-        let (source, lookup) = with_indexer(Err("timeout".into()), Some(20));
-        let req = request(50, Some(70));
-        let memo = Arc::clone(&req.prefix_memo);
-        let s = now(select(Arc::new(BucketResolver::new(buckets())), plain_live(), req, lookup)).unwrap();
-        assert_eq!(&*s.bucket_id, "short");
-        assert_eq!(memo.indexer_verdict(), Some(("unavailable", None)));
-        assert!(matches!(memo.get(&source).as_deref(), Some(CacheLookup::Unavailable(_))));
     }
 }

@@ -6,17 +6,17 @@
 
 use std::sync::Arc;
 
-use super::factory::{self, prefix_budgets};
-use super::metrics::label;
-use super::upstream::UpstreamAnswer;
 use crate::config::RouterConfig;
 use crate::host::{CalloutRequest, Host};
 use crate::registry::Worker;
 use crate::state::affinity_store::{AffinityStore, BindingKind};
 use crate::state::health::HealthMonitor;
-use crate::state::kv_events::{wire, PrefixEvent, PrefixLog};
 use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
+use crate::state::prefix::{wire, PrefixEvent, PrefixLog};
 use crate::state::{keys, shared, vm_registry};
+use crate::wiring::counters::label;
+use crate::wiring::factory::{self, prefix_budgets};
+use crate::wiring::upstream::UpstreamAnswer;
 
 /// The longest the service sleeps between ticks.
 const TICK_MS: u64 = 100;
@@ -364,7 +364,7 @@ mod tests {
             model: "m".into(),
             worker: "A".into(),
             text: "hello world".into(),
-            tier: crate::state::kv_events::Tier::Gpu,
+            tier: crate::state::prefix::Tier::Gpu,
         })
         .unwrap()]);
         let head = core.prefixes.head();

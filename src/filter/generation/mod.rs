@@ -1,5 +1,6 @@
-//! `POST /v1/chat/completions`: accept the body, prepare the facts once, walk the resolved
-//! buckets, and turn the selection into a [`Decision`] the filter carries out.
+//! The generation endpoints (`/v1/chat/completions`, `/v1/completions`, `/generate`): buffer the
+//! body, prepare its facts once ([`Ticket`]), walk the resolved buckets, turn the selection into a
+//! [`Decision`], and follow the routed request to its end ([`Exchange`], PD's hand-off).
 
 pub mod bucket_loop;
 mod chat_body;
@@ -10,13 +11,13 @@ pub mod pd;
 mod prepare;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
-pub use decision::{ChatOutcome, Decision, PendingChat, Target};
+pub use decision::{decide, Decision, Outcome, Target, Ticket, Wiring};
 pub use endpoint::{prepare_endpoint, token_id_text, Endpoint, Prepared, Prompts};
-pub use exchange::{ChatExchange, Effects};
-pub use prepare::{prepare, prepare_chat, ChatFacts, MAX_PROMPT_BYTES};
+pub use exchange::{Effects, Exchange};
+pub use prepare::{prepare, prepare_chat, RequestFacts, MAX_PROMPT_BYTES};
 
-use crate::server::errors::{payload_too_large, MAX_BODY_BYTES};
-use crate::server::RouteError;
+use crate::filter::errors::{payload_too_large, MAX_BODY_BYTES};
+use crate::filter::RouteError;
 
 pub const CHAT_PATH: &str = "/v1/chat/completions";
 

@@ -5,12 +5,9 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
+use super::generation::{self, Effects, Endpoint, Outcome, Prepared, Ticket, Wiring};
 use super::headers::ProtectedHeaders;
-use super::metrics::{Bumps, Counter};
-use super::routes::chat::bucket_loop::IndexerLookup;
-use super::routes::chat::{self, Effects, Endpoint, PendingChat, Prepared};
-use super::upstream::UpstreamHeader;
+use super::indexer::IndexerClient;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::{GroupsConfig, RouterConfig};
@@ -19,8 +16,10 @@ use crate::registry::{Availability, WorkerRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
 use crate::state::health;
-use crate::state::kv_events::remote::IndexerClient;
 use crate::state::load_monitor::{InflightGuard, PrefillWork};
+use crate::wiring::counters::{Bumps, Counter};
+use crate::wiring::factory::{self, build_resolvers, prefix_budgets, Resolvers, StateHandles};
+use crate::wiring::upstream::UpstreamHeader;
 
 pub struct AppContext {
     config: Arc<RouterConfig>,
@@ -68,7 +67,7 @@ impl AppContext {
         ));
         let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
-        let indexer = factory::indexer_client(&config, Arc::clone(&handles.callouts)).map(Arc::new);
+        let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);
         Self {
             generate_model,
@@ -174,18 +173,18 @@ impl AppContext {
         }
     }
 
-    /// Prepares a buffered body of a generation endpoint and starts its bucket loop. `header`
-    /// reads a request header.
-    pub fn begin(
+    /// Prepares a buffered body of a generation endpoint for selection. `header` reads a request
+    /// header. The ticket names the indexer's match call when the request is to ask it first.
+    pub fn prepare(
         &self,
         endpoint: Endpoint,
         body: &[u8],
         header: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<PendingChat, RouteError> {
+    ) -> Result<Ticket, RouteError> {
         let bytes_per_token = self.config.tokens.bytes_per_token;
         // The model is known only once the body is read: the text is built when any model records
         // prompts, and kept for those that do.
-        let Prepared { facts, prompts, prompt_text } = chat::prepare_endpoint(
+        let Prepared { facts, prompts, prompt_text } = generation::prepare_endpoint(
             endpoint,
             body,
             bytes_per_token,
@@ -202,44 +201,56 @@ impl AppContext {
         let key = |name: &str| header(name).filter(|v| !v.is_empty());
         let prompt_text: Option<Arc<str>> =
             prompt_text.filter(|_| self.prefix_models.contains(&facts.model)).map(Arc::from);
-        let request = BucketRequest {
-            model: facts.model.clone(),
-            input_tokens: facts.input_tokens,
-            expected_peak_tokens: facts.expected_peak_tokens,
-            token_ids: prompts.single_token_ids().map(<[u32]>::to_vec),
-            prompt_text: prompt_text.clone(),
-            prefix_memo: Arc::default(),
-            session_key: key(&model.session_id_header),
-            routing_key: key(&model.routing_key_header),
-        };
         // One callout: a request's own token ids go to `/query` (ours or Dynamo's); a chat body to
         // ours, which tokenizes it with the model's template. Other prompts use the estimate.
-        let answer = self.indexer.as_ref().and_then(|client| match (endpoint, prompts.single_token_ids()) {
+        let call = self.indexer.as_ref().and_then(|client| match (endpoint, prompts.single_token_ids()) {
             (_, Some(ids)) => Some(client.match_tokens(&facts.model, ids)),
             (Endpoint::Chat, None) if client.tokenizes_chat() && model.tokenizer.is_some() => {
                 Some(client.match_chat(body))
             }
             _ => None,
         });
-        let indexer = answer.map(|answer| IndexerLookup {
-            answer,
-            source: Arc::clone(&self.handles.remote_prefixes),
-            output_budget: facts.output_budget,
-        });
-        let memo = Arc::clone(&request.prefix_memo);
+        // A call that could not be made is an answer already: unavailable.
+        let (indexer_call, indexer) = match call {
+            Some(Ok(call)) => (Some(call), None),
+            Some(Err(why)) => (None, Some(Err(why))),
+            None => (None, None),
+        };
+        let request = BucketRequest {
+            model: facts.model.clone(),
+            input_tokens: facts.input_tokens,
+            expected_peak_tokens: facts.expected_peak_tokens,
+            token_ids: prompts.single_token_ids().map(<[u32]>::to_vec),
+            prompt_text,
+            indexer,
+            session_key: key(&model.session_id_header),
+            routing_key: key(&model.routing_key_header),
+        };
         // Only a PD pick rewrites the body, from its own parse of it.
         let body = self.pd_models.contains(&facts.model).then(|| body.to_vec());
-        Ok(PendingChat {
-            endpoint,
-            facts,
-            prompt_text,
-            body,
-            memo,
-            indexer: self.indexer.clone(),
-            selection: chat::select(Arc::clone(resolver), self.registry.live(), request, indexer),
-            upstream: self.upstream.clone(),
-            random: Arc::clone(&self.handles.random),
+        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, indexer_call })
+    }
+
+    /// Selects engines for a prepared request and makes its decision.
+    pub fn decide(&self, ticket: Ticket) -> Outcome {
+        let live = self.registry.live();
+        let wiring = Wiring {
+            live: &live,
+            upstream: &self.upstream,
+            random: self.handles.random.as_ref(),
             prefill_timeout_ms: self.config.pd.prefill_timeout_ms,
-        })
+            indexer: self.indexer.as_deref(),
+        };
+        generation::decide(ticket, &wiring)
+    }
+
+    /// Microseconds on the host's monotonic clock.
+    pub fn monotonic_us(&self) -> u64 {
+        self.handles.host.monotonic_us()
+    }
+
+    /// The `x-sgl-vm` value for `vm`, when the configuration asks responses to carry it.
+    pub fn vm_header(&self, vm: u64) -> Option<String> {
+        self.config.debug.vm_header.then(|| format!("{vm:016x}"))
     }
 }

@@ -5,9 +5,10 @@
 
 use super::pd::{Flow, PdExchange, PrefillDone};
 use super::Decision;
-use crate::server::metrics::Counter;
-use crate::server::upstream::UpstreamAnswer;
-use crate::state::kv_events::PrefixEvent;
+use crate::host::CalloutRequest;
+use crate::state::prefix::PrefixEvent;
+use crate::wiring::counters::Counter;
+use crate::wiring::upstream::UpstreamAnswer;
 
 /// What the filter (through `AppContext::carry_out`) does after an event.
 #[derive(Debug, Default, PartialEq)]
@@ -23,7 +24,7 @@ pub struct Effects {
 }
 
 #[derive(Debug)]
-pub struct ChatExchange {
+pub struct Exchange {
     decision: Decision,
     pd: Option<PdExchange>,
     prefix_event: Option<PrefixEvent>,
@@ -33,7 +34,7 @@ pub struct ChatExchange {
     outcome_pending: bool,
 }
 
-impl ChatExchange {
+impl Exchange {
     /// A plain decision's outcome was counted with its selection; a PD decision's waits.
     pub fn new(mut decision: Decision) -> Self {
         let prefix_event = decision.prefix_event.take();
@@ -43,6 +44,11 @@ impl ChatExchange {
 
     pub fn decision(&self) -> &Decision {
         &self.decision
+    }
+
+    /// The fire-and-forget callouts to send once dispatched (each is sent once).
+    pub fn take_notices(&mut self) -> Vec<CalloutRequest> {
+        std::mem::take(&mut self.decision.notices)
     }
 
     /// A request or callout went to `worker`.
@@ -128,20 +134,20 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::filter::generation::pd::PdDispatch;
+    use crate::filter::generation::Target;
+    use crate::filter::ErrorKind;
     use crate::registry::Role;
-    use crate::server::routes::chat::pd::PdDispatch;
-    use crate::server::routes::chat::Target;
-    use crate::server::ErrorKind;
-    use crate::state::kv_events::Tier;
+    use crate::state::prefix::Tier;
     use crate::testing::{worker, worker_with};
 
     fn event(worker: &str) -> PrefixEvent {
         PrefixEvent::Stored { model: "m".into(), worker: worker.into(), text: "hi".into(), tier: Tier::Gpu }
     }
 
-    fn plain() -> ChatExchange {
+    fn plain() -> Exchange {
         let a = worker("A");
-        let mut x = ChatExchange::new(Decision {
+        let mut x = Exchange::new(Decision {
             bucket_id: "b".into(),
             target: Target::Plain(a),
             upstream_header: ("x-sgl-cluster".into(), "sgl_A".into()),
@@ -154,9 +160,9 @@ mod tests {
         x
     }
 
-    fn pd() -> ChatExchange {
+    fn pd() -> Exchange {
         let (p, d) = (worker_with("P", Role::Prefill, "m"), worker_with("D", Role::Decode, "m"));
-        let mut x = ChatExchange::new(Decision {
+        let mut x = Exchange::new(Decision {
             bucket_id: "b".into(),
             target: Target::Pd { prefill: Arc::clone(&p), decode: d },
             upstream_header: ("x-sgl-cluster".into(), "sgl_D".into()),

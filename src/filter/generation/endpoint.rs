@@ -10,9 +10,9 @@ use serde_json::{Map, Value};
 
 use super::prepare::{
     cut_to_prompt_limit, optional_integer, prepare_chat, read_object, required_model, sequences, stream_flag,
-    validate_sampling, ChatFacts,
+    validate_sampling, RequestFacts,
 };
-use crate::server::{ErrorKind, RouteError};
+use crate::filter::{ErrorKind, RouteError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Endpoint {
@@ -93,7 +93,7 @@ impl Prompts {
 /// it was asked for.
 #[derive(Debug)]
 pub struct Prepared {
-    pub facts: ChatFacts,
+    pub facts: RequestFacts,
     pub prompts: Prompts,
     pub prompt_text: Option<String>,
 }
@@ -143,13 +143,9 @@ pub fn prepare_endpoint(
     };
     validate_sampling(|field| sampling.get(field))?;
     let budget_field = if endpoint == Endpoint::Generate { "max_new_tokens" } else { "max_tokens" };
-    let output_budget = optional_integer(sampling.get(budget_field), budget_field)?
-        .map(|b| u64::try_from(b).map_err(|_| RouteError::invalid(format!("`{budget_field}` must be at least 0"))))
-        .transpose()?;
-    let input_tokens = prompts.longest_tokens(bytes_per_token);
-    let expected_peak_tokens = output_budget.map(|b| input_tokens.saturating_add(b));
+    let budget = optional_integer(sampling.get(budget_field), budget_field)?.map(|b| (b, budget_field));
     let n = sequences(optional_integer(sampling.get("n"), "n")?, prompts.count())?;
-    let facts = ChatFacts { model, stream, n, output_budget, input_tokens, expected_peak_tokens };
+    let facts = RequestFacts::new(model, stream, n, budget, prompts.longest_tokens(bytes_per_token))?;
     let prompt_text = want_prompt.then(|| prompts.text(bytes_per_token));
     Ok(Prepared { facts, prompts, prompt_text })
 }

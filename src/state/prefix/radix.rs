@@ -446,7 +446,7 @@ mod tests {
         let (a, b) = (build(), build());
         assert_eq!(a, b);
         let mut decoded: RadixTree =
-            crate::state::kv_events::wire::decode(&crate::state::kv_events::wire::encode(&a).unwrap()).unwrap();
+            crate::state::prefix::wire::decode(&crate::state::prefix::wire::encode(&a).unwrap()).unwrap();
         decoded.rebuild_index();
         assert_eq!(decoded, a);
         let (mut x, mut y) = (a.clone(), decoded);

@@ -1,0 +1,188 @@
+//! A prepared request ([`Ticket`]) and, from its finished selection, the [`Decision`] the filter
+//! carries out: the upstream header, the PD body and prefill callout, the prefix event, the
+//! response headers, and the counters.
+
+use std::sync::Arc;
+
+use super::bucket_loop::select;
+use super::pd::{bootstrap_body, PdDispatch};
+use super::{Endpoint, RequestFacts};
+use crate::buckets::{BucketPick, BucketRequest, BucketResolver};
+use crate::filter::indexer::{verdict, IndexerCall, IndexerClient};
+use crate::filter::metrics;
+use crate::filter::RouteError;
+use crate::host::CalloutRequest;
+use crate::policies::RandomSource;
+use crate::protocol::indexer::IndexerAnswer;
+use crate::registry::{LiveWorkers, Worker};
+use crate::state::prefix::{PrefixEvent, Tier};
+use crate::wiring::counters::Counter;
+use crate::wiring::upstream::UpstreamHeader;
+
+/// The engines a request goes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Plain(Arc<Worker>),
+    Pd { prefill: Arc<Worker>, decode: Arc<Worker> },
+}
+
+impl Target {
+    /// The engine Envoy's router sends the request to: the plain engine, or the decode engine.
+    pub fn upstream(&self) -> &Arc<Worker> {
+        match self {
+            Target::Plain(w) | Target::Pd { decode: w, .. } => w,
+        }
+    }
+
+    /// The engine that does the prefill work: the plain engine, or the prefill engine.
+    pub fn prefill_work(&self) -> &Arc<Worker> {
+        match self {
+            Target::Plain(w) | Target::Pd { prefill: w, .. } => w,
+        }
+    }
+}
+
+/// Where the filter sends a request, and what it tells the client about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub bucket_id: Arc<str>,
+    pub target: Target,
+    /// The upstream header and its value (cluster name or `host:port`, by `upstream.mode`).
+    pub upstream_header: (String, String),
+    /// PD only: the rewritten body and the prefill callout.
+    pub pd: Option<PdDispatch>,
+    /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
+    /// to the service once the decision is carried out.
+    pub prefix_event: Option<PrefixEvent>,
+    /// Fire-and-forget callouts once dispatched: the indexer's routed notice (spec §7).
+    pub notices: Vec<CalloutRequest>,
+    /// The input tokens the prefill engine does not hold by its policy's prefix lookup (all of
+    /// them without one): the work its pending-prefill estimate gains.
+    pub prefill_tokens: u64,
+}
+
+impl Decision {
+    /// The headers the filter adds to the response (spec §3).
+    pub fn response_headers(&self) -> impl Iterator<Item = (&'static str, String)> + '_ {
+        let prefill = match &self.target {
+            Target::Pd { prefill, .. } => Some(("x-sgl-prefill-worker", prefill.id.clone())),
+            Target::Plain(_) => None,
+        };
+        [("x-sgl-bucket", self.bucket_id.to_string()), ("x-sgl-worker", self.target.upstream().id.clone())]
+            .into_iter()
+            .chain(prefill)
+    }
+}
+
+/// A generation request prepared for selection: its facts, everything selection reads, and what a
+/// PD rewrite needs. The indexer's answer, when it is asked, is the last fact to arrive.
+#[derive(Debug)]
+pub struct Ticket {
+    pub endpoint: Endpoint,
+    pub facts: RequestFacts,
+    pub request: BucketRequest,
+    pub(crate) resolver: Arc<BucketResolver>,
+    /// The body as it came, kept only where a PD pick may rewrite it.
+    pub(crate) body: Option<Vec<u8>>,
+    /// The indexer's match call, when the request is to ask it.
+    pub(crate) indexer_call: Option<IndexerCall>,
+}
+
+impl Ticket {
+    /// The indexer's match call to make before selection, if any.
+    pub fn take_indexer_call(&mut self) -> Option<IndexerCall> {
+        self.indexer_call.take()
+    }
+
+    /// The indexer's answer becomes a fact of the request: when it counted the input exactly, the
+    /// exact length replaces the estimate for bucket resolution (design §2, §6); unavailable keeps
+    /// the estimate and leaves cache selection to its load fallback.
+    pub fn answered(&mut self, answer: IndexerAnswer) {
+        if let Ok(m) = &answer {
+            self.request.input_tokens = m.input_tokens;
+            self.request.expected_peak_tokens = self.facts.output_budget.map(|b| m.input_tokens.saturating_add(b));
+        }
+        self.request.indexer = Some(answer);
+    }
+
+    /// The counter of the indexer's verdict, when it was asked.
+    fn lookup_counter(&self) -> Option<Counter> {
+        self.request.indexer.as_ref().map(|a| Counter::PrefixLookup(verdict(a)))
+    }
+}
+
+/// A finished selection and the counters it bumps.
+#[derive(Debug)]
+pub struct Outcome {
+    pub result: Result<Decision, RouteError>,
+    pub counters: Vec<Counter>,
+}
+
+/// What a decision is made with besides the request: the wiring every request shares.
+pub struct Wiring<'a> {
+    pub live: &'a LiveWorkers,
+    pub upstream: &'a UpstreamHeader,
+    pub random: &'a dyn RandomSource,
+    pub prefill_timeout_ms: u64,
+    pub indexer: Option<&'a IndexerClient>,
+}
+
+/// Runs the bucket loop for `ticket` and turns its selection into a [`Decision`].
+pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
+    let selection = select(&ticket.resolver, wiring.live, &ticket.request);
+    let lookup_counter = ticket.lookup_counter();
+    let selection = match selection {
+        Ok(selection) => selection,
+        Err(failure) => {
+            let counters = metrics::failed(&failure).into_iter().chain(lookup_counter).collect();
+            return Outcome { counters, result: Err(failure.to_route_error()) };
+        }
+    };
+    let mut counters = metrics::selected(&selection);
+    counters.extend(lookup_counter);
+    let (target, pd) = match &selection.pick {
+        BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
+        BucketPick::Pd { prefill, decode } => {
+            // Validated as a JSON object already; the rewrite is the one path that needs its tree.
+            let body = ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default();
+            let (body, rooms) = bootstrap_body(body, &prefill.worker, ticket.facts.n, wiring.random);
+            let pd = PdDispatch {
+                prefill: Arc::clone(&prefill.worker),
+                path: ticket.endpoint.path(),
+                body,
+                rooms,
+                prefill_timeout_ms: wiring.prefill_timeout_ms,
+            };
+            let target = Target::Pd { prefill: Arc::clone(&prefill.worker), decode: Arc::clone(&decode.worker) };
+            (target, Some(pd))
+        }
+    };
+    // Recorded for the engine that does the prefill work, never for a discarded attempt.
+    let prefix_event = ticket.request.prompt_text.as_ref().map(|text| PrefixEvent::Stored {
+        model: ticket.facts.model.clone(),
+        worker: target.prefill_work().id.clone(),
+        text: text.to_string(),
+        tier: Tier::Gpu,
+    });
+    // The indexer holds the blocks for the engine that prefills them until its own event says so.
+    let handle = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok()).and_then(|m| m.handle.as_deref());
+    let notices = match (wiring.indexer, handle) {
+        (Some(client), Some(handle)) => vec![client.routed_notice(handle, &target.prefill_work().id)],
+        _ => Vec::new(),
+    };
+    let cached_tokens = match &selection.pick {
+        BucketPick::Plain(p) | BucketPick::Pd { prefill: p, .. } => p.cached_tokens,
+    };
+    Outcome {
+        counters,
+        result: Ok(Decision {
+            prefill_tokens: selection.input_tokens.saturating_sub(cached_tokens),
+            bucket_id: selection.bucket_id,
+            upstream_header: wiring.upstream.for_worker(target.upstream()),
+            target,
+            pd,
+            prefix_event,
+            notices,
+        }),
+    }
+}

@@ -1,0 +1,761 @@
+//! A request's life in the filter, as one synchronous state machine. Each proxy hook (request
+//! headers, request body, a callout dispatched, a callout answered, response headers and body, the
+//! stream's end) is one call here; each returns, through `out`, the short list of [`Action`]s the
+//! glue carries out with host calls and nothing else. Nothing waits: waiting for the indexer or for
+//! a PD prefill is a state, and its answer is the next event.
+//!
+//! ```text
+//!  New ──headers──▶ Passing                     (not ours, or answered by the filter: models, 405)
+//!   │
+//!   └─generation──▶ Buffering ──body──▶ Awaiting indexer ──answer──▶┐
+//!                       │                    (dispatched; timed out │
+//!                       │                     or failed: unavailable)│
+//!                       └──────────(no indexer call)────────────────▶ decide ──error──▶ Answered
+//!                                                                    │
+//!                                          plain ◀──────────────────┤
+//!                                            │          PD: Dispatching prefill ──failed──▶ Answered
+//!                                            ▼                 │
+//!                                          Routed ◀────────────┘  (prefill answered, upstream
+//!                                            │                     answered, held or passed)
+//!                                            ▼
+//!                                          Ended  (from every state: the stream ended, however)
+//! ```
+//!
+//! A new capability (retry on another engine, abort notices, a waiting queue) is a new state and
+//! the actions it answers with.
+
+use std::mem;
+use std::sync::Arc;
+
+use super::generation::pd::{forwarded_headers, Flow, PrefillDone};
+use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, Ticket};
+use super::indexer::IndexerCall;
+use super::metrics::error_outcome;
+use super::models::{list_models, retrieve_model};
+use super::routes::{method_not_allowed, route, Route};
+use super::{AppContext, ErrorKind, RouteError};
+use crate::host::CalloutRequest;
+use crate::state::load_monitor::InflightGuard;
+use crate::wiring::counters::{Bumps, SELECTION_US};
+
+/// What the glue does for the core, in order.
+#[derive(Debug, PartialEq)]
+pub enum Action {
+    /// Let the request go on: the hook answers Continue, or a held request resumes.
+    Proceed,
+    RemoveRequestHeader(String),
+    SetRequestHeader(String, String),
+    /// Replace the `size` buffered bytes of the request body.
+    ReplaceRequestBody {
+        size: usize,
+        body: Arc<Vec<u8>>,
+    },
+    /// The upstream headers changed: Envoy's route must be chosen again.
+    ClearRouteCache,
+    /// A callout whose answer this request waits for. The glue reports how dispatching went with
+    /// [`RequestLife::on_dispatched`] before carrying out any later action.
+    Dispatch(CalloutRequest),
+    /// A callout whose answer nobody reads.
+    Notify(CalloutRequest),
+    /// Answer the client from the filter.
+    Reply {
+        status: u16,
+        body: Vec<u8>,
+        headers: Vec<(&'static str, String)>,
+    },
+    SetResponseHeader(&'static str, String),
+    /// Release a held upstream response.
+    ResumeResponse,
+    /// Counter bumps due for Envoy's stats.
+    Count(Bumps),
+    /// A histogram sample.
+    Observe(&'static str, u64),
+}
+
+/// The actions of one hook.
+pub type Actions = Vec<Action>;
+
+/// A generation request's facts from its headers, kept until it is routed.
+#[derive(Debug)]
+struct Held {
+    endpoint: Endpoint,
+    /// The client's request headers as they arrived: session and routing keys are read from them,
+    /// and a PD prefill callout carries them on.
+    headers: Vec<(String, Vec<u8>)>,
+    body_size: usize,
+}
+
+impl Held {
+    /// The first of repeated values, as a single-header read gives.
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    }
+}
+
+#[derive(Debug)]
+struct Awaiting {
+    held: Held,
+    ticket: Ticket,
+    call: IndexerCall,
+    /// The host's token once dispatched.
+    token: Option<u32>,
+    started_us: u64,
+}
+
+/// A decision whose prefill callout is being dispatched.
+#[derive(Debug)]
+struct Dispatching {
+    exchange: Exchange,
+}
+
+/// A routed request, until its stream ends.
+#[derive(Debug)]
+struct Routed {
+    exchange: Exchange,
+    /// PD: the prefill callout's token and its engine's in-flight slot until it answers.
+    prefill: Option<(u32, Option<InflightGuard>)>,
+    /// The upstream (plain or decode) engine's slot, for the life of the stream.
+    _upstream: InflightGuard,
+    /// The filter answered the client itself (a failed prefill): the response is not the engine's.
+    answered: bool,
+}
+
+#[derive(Debug, Default)]
+enum State {
+    #[default]
+    New,
+    /// Not routed by the filter: passed through, or answered before any engine was chosen.
+    Passing,
+    Buffering(Held),
+    AwaitingIndexer(Box<Awaiting>),
+    DispatchingPrefill(Box<Dispatching>),
+    Routed(Box<Routed>),
+    /// Answered by the filter after the body was read; whatever comes later is not ours.
+    Answered,
+    Ended,
+}
+
+/// One stream's life. See the module documentation for its states.
+#[derive(Debug, Default)]
+pub struct RequestLife {
+    state: State,
+    /// `x-sgl-vm`, when the configuration asks for it.
+    vm_header: Option<String>,
+}
+
+fn reply(error: &RouteError, headers: Vec<(&'static str, String)>) -> Action {
+    Action::Reply { status: error.status(), body: error.body(), headers: json_headers(headers) }
+}
+
+fn json_headers(mut headers: Vec<(&'static str, String)>) -> Vec<(&'static str, String)> {
+    headers.push(("content-type", "application/json".to_string()));
+    headers
+}
+
+impl RequestLife {
+    pub fn new(vm_header: Option<String>) -> Self {
+        Self { state: State::New, vm_header }
+    }
+
+    /// An error not counted yet: counted, and answered.
+    fn fail(&mut self, app: &AppContext, error: &RouteError, out: &mut Actions) {
+        app.count([error_outcome(error.kind)]);
+        out.push(reply(error, vec![]));
+        self.state = State::Answered;
+    }
+
+    fn sync(app: &AppContext, out: &mut Actions) {
+        let due = app.sync_shared();
+        if !due.is_empty() {
+            out.push(Action::Count(due));
+        }
+    }
+
+    /// The request's headers, all of them: the client's routing headers go, and the route decides
+    /// what comes next.
+    pub fn on_request_headers(
+        &mut self,
+        app: &AppContext,
+        headers: Vec<(String, Vec<u8>)>,
+        end_of_stream: bool,
+        out: &mut Actions,
+    ) {
+        let stripped = app.headers().stripped();
+        let (mut path, mut method) = (String::new(), String::new());
+        for (name, value) in &headers {
+            if stripped.iter().any(|h| h.eq_ignore_ascii_case(name)) {
+                out.push(Action::RemoveRequestHeader(name.clone()));
+            }
+            match name.as_str() {
+                ":path" => path = String::from_utf8_lossy(value).into_owned(),
+                ":method" => method = String::from_utf8_lossy(value).into_owned(),
+                _ => {}
+            }
+        }
+        self.state = State::Passing;
+        match route(&method, &path) {
+            Route::ListModels => {
+                out.push(Action::Reply { status: 200, body: list_models(app.config()), headers: json_headers(vec![]) })
+            }
+            Route::RetrieveModel => match retrieve_model(app.config(), &path) {
+                Ok(body) => out.push(Action::Reply { status: 200, body, headers: json_headers(vec![]) }),
+                Err(error) => out.push(reply(&error, vec![])),
+            },
+            Route::Generation(endpoint) if end_of_stream => {
+                self.fail(app, &RouteError::invalid(format!("POST {} needs a JSON body", endpoint.path())), out)
+            }
+            Route::Generation(endpoint) => self.state = State::Buffering(Held { endpoint, headers, body_size: 0 }),
+            Route::MethodNotAllowed { allow } => {
+                let error = method_not_allowed(&method, &path, allow);
+                app.count([error_outcome(error.kind)]);
+                out.push(reply(&error, vec![("allow", allow.to_string())]));
+            }
+            Route::PassThrough => {
+                // A route chosen before the headers were stripped must not survive them.
+                out.push(Action::ClearRouteCache);
+                out.push(Action::Proceed);
+            }
+        }
+    }
+
+    /// A body callback: `size` bytes are buffered so far; `read` reads them.
+    pub fn on_request_body(
+        &mut self,
+        app: &AppContext,
+        size: usize,
+        end_of_stream: bool,
+        read: &mut dyn FnMut(usize) -> Vec<u8>,
+        out: &mut Actions,
+    ) {
+        match &self.state {
+            State::Buffering(_) => {}
+            State::New | State::Passing | State::Routed(_) | State::Ended => return out.push(Action::Proceed),
+            // Held until the answer comes, or answered already.
+            State::AwaitingIndexer(_) | State::DispatchingPrefill(_) | State::Answered => return,
+        }
+        match body_step(size, end_of_stream) {
+            BodyStep::Wait => return,
+            BodyStep::TooLarge(error) => return self.fail(app, &error, out),
+            BodyStep::Ready => {}
+        }
+        let State::Buffering(mut held) = mem::take(&mut self.state) else { return };
+        held.body_size = size;
+        // The other VMs' counts as of at most one sync period ago.
+        Self::sync(app, out);
+        let body = read(size);
+        let started_us = app.monotonic_us();
+        let mut ticket = match app.prepare(held.endpoint, &body, &|name| held.header(name)) {
+            Ok(ticket) => ticket,
+            Err(error) => return self.fail(app, &error, out),
+        };
+        match ticket.take_indexer_call() {
+            Some(mut call) => match call.take_request() {
+                Some(request) => {
+                    out.push(Action::Dispatch(request));
+                    self.state =
+                        State::AwaitingIndexer(Box::new(Awaiting { held, ticket, call, token: None, started_us }));
+                }
+                None => self.decide(app, held, ticket, started_us, out),
+            },
+            None => self.decide(app, held, ticket, started_us, out),
+        }
+    }
+
+    /// How dispatching the callout of the last [`Action::Dispatch`] went.
+    pub fn on_dispatched(&mut self, app: &AppContext, result: Result<u32, String>, out: &mut Actions) {
+        match mem::take(&mut self.state) {
+            State::AwaitingIndexer(mut awaiting) if awaiting.token.is_none() => match result {
+                Ok(token) => {
+                    awaiting.token = Some(token);
+                    self.state = State::AwaitingIndexer(awaiting);
+                }
+                Err(e) => {
+                    let Awaiting { held, mut ticket, call, started_us, .. } = *awaiting;
+                    drop(call);
+                    ticket.answered(Err(format!("the indexer callout was not sent: {e}")));
+                    self.decide(app, held, ticket, started_us, out);
+                }
+            },
+            State::DispatchingPrefill(dispatching) => {
+                let Dispatching { mut exchange } = *dispatching;
+                match result {
+                    Ok(token) => {
+                        let Some(prefill) = exchange.decision().pd.as_ref().map(|pd| Arc::clone(&pd.prefill)) else {
+                            return;
+                        };
+                        let guard = app.on_dispatch(&prefill.id, exchange.decision().prefill_tokens);
+                        exchange.dispatched(&prefill.id);
+                        self.route(app, exchange, Some((token, Some(guard))), out);
+                    }
+                    Err(e) => {
+                        let prefill =
+                            exchange.decision().pd.as_ref().map(|pd| pd.prefill.id.clone()).unwrap_or_default();
+                        let error = RouteError::new(
+                            ErrorKind::PrefillFailed,
+                            format!("the prefill request to {prefill} could not be sent: {e}"),
+                        );
+                        self.fail(app, &error, out);
+                    }
+                }
+            }
+            other => self.state = other,
+        }
+    }
+
+    /// A callout answered (`status` `None`: it failed or timed out); `read` reads its body.
+    pub fn on_callout_answer(
+        &mut self,
+        app: &AppContext,
+        token: u32,
+        status: Option<u16>,
+        read: &mut dyn FnMut() -> Vec<u8>,
+        out: &mut Actions,
+    ) {
+        match &mut self.state {
+            State::AwaitingIndexer(awaiting) if awaiting.token == Some(token) => {
+                let State::AwaitingIndexer(awaiting) = mem::take(&mut self.state) else { return };
+                let Awaiting { held, mut ticket, call, started_us, .. } = *awaiting;
+                let answer = call.answer(status, &read());
+                // Its in-flight slot is given back before the selection runs.
+                drop(call);
+                ticket.answered(answer);
+                self.decide(app, held, ticket, started_us, out);
+            }
+            State::Routed(routed) if routed.prefill.as_ref().is_some_and(|(t, _)| *t == token) => {
+                if let Some((_, guard)) = routed.prefill.as_mut() {
+                    *guard = None;
+                }
+                Self::sync(app, out);
+                let (done, effects) = routed.exchange.on_prefill_done(status);
+                app.carry_out(effects);
+                match done {
+                    PrefillDone::Resume => out.push(Action::ResumeResponse),
+                    // Its outcome was counted by the exchange.
+                    PrefillDone::Fail(error) => {
+                        routed.answered = true;
+                        out.push(reply(&error, vec![]));
+                    }
+                    PrefillDone::Nothing => {}
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Selects, and carries out the decision or answers the error.
+    fn decide(&mut self, app: &AppContext, held: Held, ticket: Ticket, started_us: u64, out: &mut Actions) {
+        let outcome = app.decide(ticket);
+        out.push(Action::Observe(SELECTION_US, app.monotonic_us().saturating_sub(started_us)));
+        app.count(outcome.counters);
+        match outcome.result {
+            Ok(decision) => self.apply(app, held, decision, out),
+            Err(error) => {
+                out.push(reply(&error, vec![]));
+                self.state = State::Answered;
+            }
+        }
+    }
+
+    fn apply(&mut self, app: &AppContext, held: Held, mut decision: Decision, out: &mut Actions) {
+        let (name, value) = decision.upstream_header.clone();
+        out.push(Action::SetRequestHeader(name, value));
+        out.push(Action::ClearRouteCache);
+        let Some(pd) = decision.pd.as_mut() else {
+            return self.route(app, Exchange::new(decision), None, out);
+        };
+        // A header value that is not UTF-8 cannot be put on a callout; it is left out.
+        let client =
+            held.headers.into_iter().filter_map(|(name, value)| Some((name, String::from_utf8(value).ok()?))).collect();
+        let mut request = pd.take_prefill_request(forwarded_headers(client, app.headers().stripped()));
+        let body = request.body.take().unwrap_or_default();
+        // The headers are still held, so the rewritten body keeps a length: dropping it would send
+        // every request chunked.
+        out.push(Action::SetRequestHeader("content-length".to_string(), body.len().to_string()));
+        out.push(Action::ReplaceRequestBody { size: held.body_size, body: Arc::clone(&body) });
+        request.body = Some(body);
+        out.push(Action::Dispatch(request));
+        self.state = State::DispatchingPrefill(Box::new(Dispatching { exchange: Exchange::new(decision) }));
+    }
+
+    /// The request goes to its upstream engine.
+    fn route(
+        &mut self,
+        app: &AppContext,
+        mut exchange: Exchange,
+        prefill: Option<(u32, Option<InflightGuard>)>,
+        out: &mut Actions,
+    ) {
+        let upstream = Arc::clone(exchange.decision().target.upstream());
+        // The upstream does the prefill work unless a prefill engine did it.
+        let prefill_tokens = if exchange.decision().pd.is_some() { 0 } else { exchange.decision().prefill_tokens };
+        let guard = app.on_dispatch(&upstream.id, prefill_tokens);
+        exchange.dispatched(&upstream.id);
+        // Fire and forget: the indexer's routed notice.
+        out.extend(exchange.take_notices().into_iter().map(Action::Notify));
+        self.state = State::Routed(Box::new(Routed { exchange, prefill, _upstream: guard, answered: false }));
+        Self::sync(app, out);
+        out.push(Action::Proceed);
+    }
+
+    /// The upstream's response headers (`status` as it answered).
+    pub fn on_response_headers(&mut self, app: &AppContext, status: Option<u16>, out: &mut Actions) {
+        let State::Routed(routed) = &mut self.state else { return out.push(Action::Proceed) };
+        if routed.answered {
+            return out.push(Action::Proceed);
+        }
+        if let Some(vm) = &self.vm_header {
+            out.push(Action::SetResponseHeader("x-sgl-vm", vm.clone()));
+        }
+        out.extend(routed.exchange.decision().response_headers().map(|(k, v)| Action::SetResponseHeader(k, v)));
+        let (flow, effects) = routed.exchange.on_upstream_headers(status);
+        app.carry_out(effects);
+        if flow == Flow::Pass {
+            out.push(Action::Proceed);
+        }
+    }
+
+    /// A chunk of the upstream's response body.
+    pub fn on_response_body(&mut self, out: &mut Actions) {
+        let held = match &self.state {
+            State::Routed(routed) if !routed.answered => routed.exchange.on_upstream_body() == Flow::Hold,
+            _ => false,
+        };
+        if !held {
+            out.push(Action::Proceed);
+        }
+    }
+
+    /// The stream ended, however: completed, failed, or the client went away at any step.
+    pub fn on_end(&mut self, app: &AppContext, out: &mut Actions) {
+        if let State::Routed(mut routed) = mem::replace(&mut self.state, State::Ended) {
+            app.carry_out(routed.exchange.on_end());
+        }
+        // Whatever was held (an indexer slot, in-flight slots) is given back by now.
+        Self::sync(app, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse_and_validate;
+    use crate::host::{Host, MemoryHost};
+    use crate::testing::test;
+    use crate::wiring::factory::filter_handles;
+    use serde_json::{json, Value};
+
+    fn app(config: Value) -> AppContext {
+        let config = parse_and_validate(&config.to_string()).unwrap();
+        let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let (handles, _) = filter_handles(&config, host, 1);
+        AppContext::new(config, handles)
+    }
+
+    fn engine(id: &str, port: u16, role: &str) -> Value {
+        let mut engine = json!({"id": id, "url": format!("http://10.0.0.1:{port}"), "model": "m", "role": role});
+        if role == "prefill" {
+            engine["bootstrap_port"] = json!(8998);
+        }
+        engine
+    }
+
+    fn plain_app() -> AppContext {
+        app(json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]}},
+        }))
+    }
+
+    /// Token-id prompts go to the indexer's `/query`; at most `cap` callouts in flight.
+    fn indexed_app(cap: u64) -> AppContext {
+        app(json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+            "prefix_index": {"url": "http://10.0.0.9:9100", "timeout_ms": 50, "max_concurrent": cap},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}},
+        }))
+    }
+
+    fn pd_app() -> AppContext {
+        app(json!({
+            "workers": [engine("P", 1, "prefill"), engine("D", 2, "decode")],
+            "models": {"m": {"buckets": [{"id": "pd", "groups": {"pd": {
+                "prefill": {"policy": {"type": "round_robin"}},
+                "decode": {"policy": {"type": "round_robin"}},
+            }}}]}},
+        }))
+    }
+
+    fn headers(method: &str, path: &str) -> Vec<(String, Vec<u8>)> {
+        [(":method", method), (":path", path), ("x-sgl-cluster", "spoofed"), ("authorization", "Bearer t")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    const CHAT: &[u8] = br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}"#;
+    /// 2,048 token ids, so a match passes the cache-aware minimum.
+    fn tokens() -> Vec<u8> {
+        json!({"model": "m", "prompt": (0..2048).collect::<Vec<u32>>(), "max_tokens": 4}).to_string().into_bytes()
+    }
+
+    /// Actions without the bookkeeping every hook may add (bumps, samples).
+    fn visible(out: &mut Actions) -> Vec<Action> {
+        out.drain(..).filter(|a| !matches!(a, Action::Count(_) | Action::Observe(..))).collect()
+    }
+
+    /// Headers, then the whole body in one callback.
+    fn send(app: &AppContext, path: &str, body: &[u8]) -> (RequestLife, Vec<Action>) {
+        let mut life = RequestLife::new(None);
+        let mut out = Vec::new();
+        life.on_request_headers(app, headers("POST", path), false, &mut out);
+        assert_eq!(visible(&mut out), [Action::RemoveRequestHeader("x-sgl-cluster".into())]);
+        life.on_request_body(app, body.len(), true, &mut |_| body.to_vec(), &mut out);
+        let actions = visible(&mut out);
+        (life, actions)
+    }
+
+    fn upstream(actions: &[Action]) -> Option<&str> {
+        actions.iter().find_map(|a| match a {
+            Action::SetRequestHeader(name, value) if name != "content-length" => Some(value.as_str()),
+            _ => None,
+        })
+    }
+
+    fn inflight(app: &AppContext, id: &str) -> u64 {
+        app.handles().inflight.local_load(id).inflight
+    }
+
+    fn reply_status(actions: &[Action]) -> Option<u16> {
+        actions.iter().find_map(|a| match a {
+            Action::Reply { status, .. } => Some(*status),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_plain_request_is_routed_answered_and_released() {
+        let app = plain_app();
+        let mut life = RequestLife::new(Some("00ff".into()));
+        let mut out = Vec::new();
+        life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), false, &mut out);
+        assert_eq!(visible(&mut out), [Action::RemoveRequestHeader("x-sgl-cluster".into())], "held for the body");
+        life.on_request_body(&app, 10, false, &mut |_| unreachable!("not read before its end"), &mut out);
+        assert!(visible(&mut out).is_empty(), "buffering");
+        life.on_request_body(&app, CHAT.len(), true, &mut |_| CHAT.to_vec(), &mut out);
+        assert!(out.iter().any(|a| matches!(a, Action::Observe(SELECTION_US, _))), "selection time sampled");
+        let actions = visible(&mut out);
+        assert_eq!(
+            actions,
+            [
+                Action::SetRequestHeader("x-sgl-cluster".into(), "sgl_A".into()),
+                Action::ClearRouteCache,
+                Action::Proceed
+            ]
+        );
+        assert_eq!(inflight(&app, "A"), 1);
+        life.on_request_body(&app, CHAT.len(), true, &mut |_| unreachable!(), &mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed], "routed: the body passes");
+        life.on_response_headers(&app, Some(200), &mut out);
+        assert_eq!(
+            visible(&mut out),
+            [
+                Action::SetResponseHeader("x-sgl-vm", "00ff".into()),
+                Action::SetResponseHeader("x-sgl-bucket", "all".into()),
+                Action::SetResponseHeader("x-sgl-worker", "A".into()),
+                Action::Proceed
+            ]
+        );
+        life.on_response_body(&mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed]);
+        life.on_end(&app, &mut out);
+        assert_eq!(inflight(&app, "A"), 0, "released at the stream's end");
+    }
+
+    #[test]
+    fn routes_the_filter_answers_itself_and_what_it_passes_through() {
+        let app = plain_app();
+        let mut out = Vec::new();
+        let mut life = RequestLife::default();
+        life.on_request_headers(&app, headers("GET", "/v1/models"), true, &mut out);
+        assert_eq!(reply_status(&visible(&mut out)), Some(200));
+        let mut life = RequestLife::default();
+        life.on_request_headers(&app, headers("GET", "/v1/chat/completions"), true, &mut out);
+        let actions = visible(&mut out);
+        assert_eq!(reply_status(&actions), Some(405));
+        assert!(matches!(&actions[1], Action::Reply { headers, .. } if headers.contains(&("allow", "POST".into()))));
+        let mut life = RequestLife::default();
+        life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), true, &mut out);
+        assert_eq!(reply_status(&visible(&mut out)), Some(400), "a generation request needs a body");
+        let mut life = RequestLife::default();
+        life.on_request_headers(&app, headers("GET", "/health"), true, &mut out);
+        assert_eq!(visible(&mut out)[1..], [Action::ClearRouteCache, Action::Proceed]);
+        life.on_request_body(&app, 3, true, &mut |_| unreachable!(), &mut out);
+        life.on_response_headers(&app, Some(200), &mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed, Action::Proceed], "not ours: untouched");
+    }
+
+    #[test]
+    fn a_bad_or_oversized_body_is_answered_and_nothing_is_held() {
+        let app = plain_app();
+        let (mut life, actions) = send(&app, "/v1/chat/completions", b"{not json");
+        assert_eq!(reply_status(&actions), Some(400));
+        let mut out = Vec::new();
+        life.on_request_body(&app, 9, true, &mut |_| unreachable!(), &mut out);
+        life.on_response_headers(&app, Some(400), &mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed], "the filter's own reply passes untouched");
+        let mut life = RequestLife::default();
+        life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), false, &mut out);
+        life.on_request_body(&app, crate::filter::errors::MAX_BODY_BYTES + 1, false, &mut |_| unreachable!(), &mut out);
+        assert_eq!(reply_status(&visible(&mut out)), Some(413));
+        assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (0, 0));
+    }
+
+    #[test]
+    fn a_selection_error_is_answered_with_its_status() {
+        let app = plain_app();
+        let body = br#"{"model": "other", "messages": [{"role": "user", "content": "hi"}]}"#;
+        let (_, actions) = send(&app, "/v1/chat/completions", body);
+        assert_eq!(reply_status(&actions), Some(404));
+    }
+
+    fn answer(data: Value) -> Vec<u8> {
+        json!({"data": data, "handle": "42"}).to_string().into_bytes()
+    }
+
+    #[test]
+    fn waiting_for_the_indexer_is_a_state_its_answer_routes_and_is_noticed() {
+        let app = indexed_app(8);
+        let (mut life, actions) = send(&app, "/v1/completions", &tokens());
+        let [Action::Dispatch(call)] = &actions[..] else { panic!("one callout and a wait: {actions:?}") };
+        assert_eq!((call.path.as_str(), call.cluster.as_str()), ("/query", "sgl_indexer"));
+        let mut out = Vec::new();
+        life.on_dispatched(&app, Ok(7), &mut out);
+        assert!(visible(&mut out).is_empty(), "still waiting");
+        life.on_request_body(&app, 1, true, &mut |_| unreachable!(), &mut out);
+        assert!(visible(&mut out).is_empty(), "held while waiting");
+        life.on_callout_answer(&app, 8, Some(200), &mut || unreachable!("not ours"), &mut out);
+        assert!(visible(&mut out).is_empty(), "another token is ignored");
+        let body = answer(json!({"B": {"matched_tokens": 2048}}));
+        life.on_callout_answer(&app, 7, Some(200), &mut || body.clone(), &mut out);
+        let actions = visible(&mut out);
+        assert_eq!(upstream(&actions), Some("sgl_B"), "the holder: {actions:?}");
+        let notice = actions.iter().find_map(|a| match a {
+            Action::Notify(n) => Some(n),
+            _ => None,
+        });
+        assert_eq!(notice.map(|n| n.path.as_str()), Some("/v1/prefix/routed"));
+        assert_eq!(actions.last(), Some(&Action::Proceed), "resumed");
+        assert_eq!(app.handles().inflight.local_load("B").prefilled_total, 0, "all of it cached");
+    }
+
+    #[test]
+    fn an_indexer_that_times_out_or_is_never_reached_leaves_routing_to_load() {
+        let app = indexed_app(8);
+        let (mut life, _) = send(&app, "/v1/completions", &tokens());
+        let mut out = Vec::new();
+        life.on_dispatched(&app, Ok(1), &mut out);
+        life.on_callout_answer(&app, 1, None, &mut Vec::new, &mut out);
+        let actions = visible(&mut out);
+        assert!(upstream(&actions).is_some() && actions.last() == Some(&Action::Proceed), "{actions:?}");
+
+        let (mut life, _) = send(&app, "/v1/completions", &tokens());
+        life.on_dispatched(&app, Err("no cluster".into()), &mut out);
+        let actions = visible(&mut out);
+        assert!(upstream(&actions).is_some() && actions.last() == Some(&Action::Proceed), "{actions:?}");
+    }
+
+    /// A client that leaves while its request waits gives its indexer slot back at once; a late
+    /// answer finds nothing to route.
+    #[test]
+    fn a_client_gone_while_the_indexer_is_asked_frees_its_slot() {
+        let app = indexed_app(1);
+        let (mut first, actions) = send(&app, "/v1/completions", &tokens());
+        assert!(matches!(actions[..], [Action::Dispatch(_)]));
+        let mut out = Vec::new();
+        first.on_dispatched(&app, Ok(1), &mut out);
+        let (mut second, actions) = send(&app, "/v1/completions", &tokens());
+        assert!(upstream(&actions).is_some(), "over the cap: routed on load at once");
+        second.on_end(&app, &mut out);
+        first.on_end(&app, &mut out);
+        first.on_callout_answer(&app, 1, Some(200), &mut || unreachable!(), &mut out);
+        assert!(visible(&mut out).is_empty(), "ended: the late answer is ignored");
+        let (_, actions) = send(&app, "/v1/completions", &tokens());
+        assert!(matches!(actions[..], [Action::Dispatch(_)]), "the slot came back");
+    }
+
+    fn pd_send(app: &AppContext) -> (RequestLife, Vec<Action>) {
+        let (life, actions) = send(app, "/v1/chat/completions", CHAT);
+        assert_eq!(upstream(&actions), Some("sgl_D"));
+        (life, actions)
+    }
+
+    #[test]
+    fn a_pd_request_rewrites_the_body_dispatches_the_prefill_and_holds_the_decode_answer() {
+        let app = pd_app();
+        let (mut life, actions) = pd_send(&app);
+        let [_, Action::ClearRouteCache, Action::SetRequestHeader(length, n), Action::ReplaceRequestBody { size, body }, Action::Dispatch(prefill)] =
+            &actions[..]
+        else {
+            panic!("{actions:?}")
+        };
+        assert_eq!((length.as_str(), n.clone(), *size), ("content-length", body.len().to_string(), CHAT.len()));
+        assert_eq!(prefill.body.as_ref(), Some(body), "one body for both engines");
+        assert_eq!(prefill.cluster, "sgl_P");
+        assert!(prefill.headers.contains(&("authorization".into(), "Bearer t".into())), "end-to-end headers go on");
+        let rewritten: Value = serde_json::from_slice(body).unwrap();
+        assert!(rewritten["bootstrap_room"].is_u64());
+        let mut out = Vec::new();
+        life.on_dispatched(&app, Ok(5), &mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed]);
+        assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (1, 1));
+        life.on_response_headers(&app, Some(200), &mut out);
+        let actions = visible(&mut out);
+        assert!(actions.contains(&Action::SetResponseHeader("x-sgl-prefill-worker", "P".into())));
+        assert!(!actions.contains(&Action::Proceed), "held until the prefill answered");
+        life.on_response_body(&mut out);
+        assert!(visible(&mut out).is_empty(), "the body is held too");
+        life.on_callout_answer(&app, 5, Some(200), &mut || unreachable!("not read"), &mut out);
+        assert_eq!(visible(&mut out), [Action::ResumeResponse]);
+        assert_eq!(inflight(&app, "P"), 0, "the prefill slot is given back when it answers");
+        life.on_end(&app, &mut out);
+        assert_eq!(inflight(&app, "D"), 0);
+    }
+
+    #[test]
+    fn a_failed_prefill_answers_502_whether_it_fails_to_send_or_answers_badly() {
+        let app = pd_app();
+        let (mut life, _) = pd_send(&app);
+        let mut out = Vec::new();
+        life.on_dispatched(&app, Err("unknown cluster".into()), &mut out);
+        assert_eq!(reply_status(&visible(&mut out)), Some(502));
+        assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0), "nothing was dispatched");
+
+        let (mut life, _) = pd_send(&app);
+        life.on_dispatched(&app, Ok(9), &mut out);
+        life.on_response_headers(&app, Some(200), &mut out);
+        out.clear();
+        life.on_callout_answer(&app, 9, Some(500), &mut || unreachable!(), &mut out);
+        assert_eq!(reply_status(&visible(&mut out)), Some(502));
+        life.on_response_headers(&app, Some(502), &mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed], "the filter's reply is not the engine's");
+        life.on_end(&app, &mut out);
+        assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0));
+    }
+
+    /// The client goes away while the prefill is out: both slots are given back at the end.
+    #[test]
+    fn a_client_gone_during_the_prefill_releases_both_engines() {
+        let app = pd_app();
+        let (mut life, _) = pd_send(&app);
+        let mut out = Vec::new();
+        life.on_dispatched(&app, Ok(3), &mut out);
+        out.clear();
+        life.on_end(&app, &mut out);
+        assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0));
+        life.on_callout_answer(&app, 3, Some(200), &mut || unreachable!(), &mut out);
+        assert!(visible(&mut out).is_empty());
+    }
+}

@@ -1,0 +1,3 @@
+//! Wire formats shared with processes outside Envoy: serde types only, used by both ends.
+
+pub mod indexer;
