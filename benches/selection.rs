@@ -15,13 +15,13 @@ use sgl_envoy_router::policies::{
     SharedCursor,
 };
 use sgl_envoy_router::registry::Role;
-use sgl_envoy_router::registry::{EngineAddress, Worker};
+use sgl_envoy_router::registry::{Engine, EngineAddress};
 use sgl_envoy_router::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
 
-fn workers(n: usize) -> Vec<Arc<Worker>> {
+fn workers(n: usize) -> Vec<Arc<Engine>> {
     (0..n)
         .map(|i| {
-            Arc::new(Worker {
+            Arc::new(Engine {
                 id: format!("w{i:04}"),
                 model: "m".into(),
                 role: Role::Plain,
@@ -34,7 +34,7 @@ fn workers(n: usize) -> Vec<Arc<Worker>> {
         .collect()
 }
 
-fn loads(ws: &[Arc<Worker>]) -> LoadSnapshot {
+fn loads(ws: &[Arc<Engine>]) -> LoadSnapshot {
     LoadSnapshot::from_loads(ws.iter().enumerate().map(|(i, w)| {
         (
             w.id.clone(),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::policies::{Pick, PickError, PickRequest, Policy};
 use crate::protocol::indexer::IndexerAnswer;
-use crate::registry::{LiveWorkers, Role, Worker};
+use crate::registry::{Engine, LiveEngines, Role};
 
 /// Which workers a group may use: `None` in the configuration means all, `[]` means none.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,9 +31,9 @@ pub struct EngineGroup {
 
 #[derive(Debug)]
 struct Candidates {
-    live: LiveWorkers,
+    live: LiveEngines,
     model: String,
-    list: Arc<[Arc<Worker>]>,
+    list: Arc<[Arc<Engine>]>,
 }
 
 impl EngineGroup {
@@ -48,7 +48,7 @@ impl EngineGroup {
     }
 
     /// Live workers of the model and this stage that belong to the group, sorted by stable id.
-    pub fn candidates(&self, live: &LiveWorkers, model: &str) -> Arc<[Arc<Worker>]> {
+    pub fn candidates(&self, live: &LiveEngines, model: &str) -> Arc<[Arc<Engine>]> {
         let Ok(mut cached) = self.cached.lock() else {
             return self.filter(live, model);
         };
@@ -62,7 +62,7 @@ impl EngineGroup {
         }
     }
 
-    fn filter(&self, live: &LiveWorkers, model: &str) -> Arc<[Arc<Worker>]> {
+    fn filter(&self, live: &LiveEngines, model: &str) -> Arc<[Arc<Engine>]> {
         live.serving(model, self.stage)
             .filter(|w| match &self.membership {
                 Membership::All => true,
@@ -74,7 +74,7 @@ impl EngineGroup {
 
     /// Invokes the policy on the exact candidate set and rejects any answer outside it, including
     /// a different allocation that happens to carry a candidate's id.
-    pub fn pick(&self, live: &LiveWorkers, request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    pub fn pick(&self, live: &LiveEngines, request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let candidates = self.candidates(live, request.model);
         if candidates.is_empty() {
             return Err(PickError::no_candidates(format!(
@@ -85,11 +85,11 @@ impl EngineGroup {
         }
         let pick = self.policy.pick(&candidates, request)?;
         // Candidates are in id order: finding the answer costs log(group), not the group.
-        let found = candidates.binary_search_by(|c| c.id.as_str().cmp(&pick.worker.id));
-        if found.is_ok_and(|i| candidates.get(i).is_some_and(|c| Arc::ptr_eq(c, &pick.worker))) {
+        let found = candidates.binary_search_by(|c| c.id.as_str().cmp(&pick.engine.id));
+        if found.is_ok_and(|i| candidates.get(i).is_some_and(|c| Arc::ptr_eq(c, &pick.engine))) {
             Ok(pick)
         } else {
-            Err(PickError::OutsideCandidates { worker: pick.worker.id.clone() })
+            Err(PickError::OutsideCandidates { worker: pick.engine.id.clone() })
         }
     }
 }
@@ -177,7 +177,7 @@ impl Bucket {
 
     /// Picks every engine this bucket needs. A PD bucket picks prefill then decode; a decode
     /// failure discards the tentative prefill choice (nothing was dispatched).
-    pub fn pick_engines(&self, live: &LiveWorkers, request: &BucketRequest) -> Result<BucketPick, StageError> {
+    pub fn pick_engines(&self, live: &LiveEngines, request: &BucketRequest) -> Result<BucketPick, StageError> {
         let at = |stage: Role| move |error| StageError { stage, error };
         match &self.groups {
             BucketGroups::Plain(group) => {
@@ -257,13 +257,13 @@ mod tests {
     use crate::policies::{PickReason, PickRequest};
     use crate::testing::{worker_with, Scripted};
 
-    fn live(workers: &[Arc<Worker>], unhealthy: &[&str]) -> LiveWorkers {
+    fn live(workers: &[Arc<Engine>], unhealthy: &[&str]) -> LiveEngines {
         let mut sorted = workers.to_vec();
         sorted.sort_by(|a, b| a.id.cmp(&b.id));
-        LiveWorkers::new(sorted.into(), Arc::new(unhealthy.iter().map(|s| s.to_string()).collect()))
+        LiveEngines::new(sorted.into(), Arc::new(unhealthy.iter().map(|s| s.to_string()).collect()))
     }
 
-    fn plain(id: &str) -> Arc<Worker> {
+    fn plain(id: &str) -> Arc<Engine> {
         worker_with(id, Role::Plain, "m")
     }
 
@@ -292,7 +292,7 @@ mod tests {
         let group = EngineGroup::new(Role::Plain, Scripted::first());
         let view = live(&workers, &["B"]);
         let first = group.candidates(&view, "m");
-        let names = |c: &[Arc<Worker>]| c.iter().map(|w| w.id.clone()).collect::<Vec<_>>();
+        let names = |c: &[Arc<Engine>]| c.iter().map(|w| w.id.clone()).collect::<Vec<_>>();
         assert_eq!(names(&first), ["A", "C"]);
         assert!(Arc::ptr_eq(&first, &group.candidates(&view.clone(), "m")), "the same view: the same list");
         // Equal contents in new allocations (health published again) are a new view: recomputed.
@@ -421,7 +421,7 @@ mod tests {
         let policy = Scripted::first();
         let group = EngineGroup::with_members(Role::Plain, ["A", "B", "C", "D", "P"].map(String::from), policy.clone());
         let pick = group.pick(&live(&ws, &["B"]), &request(Role::Plain)).unwrap();
-        assert_eq!(pick.worker.id, "A");
+        assert_eq!(pick.engine.id, "A");
         assert_eq!(
             policy.offered.lock().unwrap()[0],
             ["A", "C"],
@@ -475,7 +475,7 @@ mod tests {
         }
     }
 
-    fn pd_workers() -> Vec<Arc<Worker>> {
+    fn pd_workers() -> Vec<Arc<Engine>> {
         vec![worker_with("P1", Role::Prefill, "m"), worker_with("D1", Role::Decode, "m")]
     }
 
@@ -488,7 +488,7 @@ mod tests {
         let b = pd_bucket("b", Scripted::first(), Scripted::first());
         let pick = b.pick_engines(&live(&pd_workers(), &[]), &bucket_request()).unwrap();
         let BucketPick::Pd { prefill, decode } = pick else { panic!("not a PD pick") };
-        assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("P1", "D1"));
+        assert_eq!((prefill.engine.id.as_str(), decode.engine.id.as_str()), ("P1", "D1"));
     }
 
     #[test]
@@ -496,7 +496,7 @@ mod tests {
         #[derive(Debug, Default)]
         struct Recording(Mutex<Vec<(Role, String, Option<String>)>>);
         impl Policy for Recording {
-            fn pick(&self, engines: &[Arc<Worker>], r: &PickRequest<'_>) -> Result<Pick, PickError> {
+            fn pick(&self, engines: &[Arc<Engine>], r: &PickRequest<'_>) -> Result<Pick, PickError> {
                 self.0.lock().unwrap().push((r.stage, r.bucket_id.to_string(), r.session_key.map(String::from)));
                 Ok(Pick::new(Arc::clone(&engines[0]), PickReason::Rotation))
             }

@@ -1,4 +1,4 @@
-//! WorkerRegistry (design "Data ownership"): the live engines, their model, role (authoritative)
+//! EngineRegistry (design "Data ownership"): the live engines, their model, role (authoritative)
 //! and health, and where each listens. Every other module speaks this vocabulary; the registry
 //! imports none of them.
 
@@ -84,7 +84,7 @@ impl Role {
 
 /// An engine. Groups refer to workers by id; the registry owns them.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Worker {
+pub struct Engine {
     pub id: String,
     pub model: String,
     pub role: Role,
@@ -117,51 +117,51 @@ impl Availability for AllAvailable {
 
 /// The live engines: every configured worker (sorted by id), its model and role, and its health.
 #[derive(Debug)]
-pub struct WorkerRegistry {
-    workers: Arc<[Arc<Worker>]>,
+pub struct EngineRegistry {
+    workers: Arc<[Arc<Engine>]>,
     availability: Arc<dyn Availability>,
 }
 
-impl WorkerRegistry {
-    pub fn new(workers: impl IntoIterator<Item = Worker>, availability: Arc<dyn Availability>) -> Self {
-        let mut workers: Vec<Arc<Worker>> = workers.into_iter().map(Arc::new).collect();
+impl EngineRegistry {
+    pub fn new(workers: impl IntoIterator<Item = Engine>, availability: Arc<dyn Availability>) -> Self {
+        let mut workers: Vec<Arc<Engine>> = workers.into_iter().map(Arc::new).collect();
         workers.sort_by(|a, b| a.id.cmp(&b.id));
         Self { workers: workers.into(), availability }
     }
 
     /// Every worker, sorted by id, whatever its health.
-    pub fn all(&self) -> &[Arc<Worker>] {
+    pub fn all(&self) -> &[Arc<Engine>] {
         &self.workers
     }
 
     /// The workers a request may use now, read once for the whole request.
-    pub fn live(&self) -> LiveWorkers {
-        LiveWorkers { workers: Arc::clone(&self.workers), unavailable: self.availability.unavailable() }
+    pub fn live(&self) -> LiveEngines {
+        LiveEngines { workers: Arc::clone(&self.workers), unavailable: self.availability.unavailable() }
     }
 }
 
 /// One request's view of the registry: the workers minus those health or the breaker took out.
 #[derive(Debug, Clone)]
-pub struct LiveWorkers {
-    workers: Arc<[Arc<Worker>]>,
+pub struct LiveEngines {
+    workers: Arc<[Arc<Engine>]>,
     unavailable: Arc<HashSet<String>>,
 }
 
-impl LiveWorkers {
+impl LiveEngines {
     /// A fixed view, for tests and benchmarks; `workers` in id order, as the registry keeps them.
-    pub fn new(workers: Arc<[Arc<Worker>]>, unavailable: Arc<HashSet<String>>) -> Self {
+    pub fn new(workers: Arc<[Arc<Engine>]>, unavailable: Arc<HashSet<String>>) -> Self {
         Self { workers, unavailable }
     }
 
     /// Whether `other` is this very view (the same registry and unavailable set, not equal copies):
     /// what was computed from one holds for the other. Holding the view keeps its allocations
     /// alive, so a later view cannot reuse their addresses.
-    pub fn is_same_view(&self, other: &LiveWorkers) -> bool {
+    pub fn is_same_view(&self, other: &LiveEngines) -> bool {
         Arc::ptr_eq(&self.workers, &other.workers) && Arc::ptr_eq(&self.unavailable, &other.unavailable)
     }
 
     /// Available workers of `model` serving `stage`, in id order.
-    pub fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Worker>> + 'a {
+    pub fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Engine>> + 'a {
         self.workers.iter().filter(move |w| w.model == model && w.role == stage && !self.unavailable.contains(&w.id))
     }
 }
@@ -200,7 +200,7 @@ mod tests {
                 Arc::new([self.0.to_string()].into_iter().collect())
             }
         }
-        let worker = |id: &str, role| Worker {
+        let worker = |id: &str, role| Engine {
             id: id.into(),
             model: "m".into(),
             role,
@@ -209,7 +209,7 @@ mod tests {
             bootstrap_port: None,
             dp_size: 1,
         };
-        let registry = WorkerRegistry::new(
+        let registry = EngineRegistry::new(
             [worker("C", Role::Plain), worker("A", Role::Plain), worker("B", Role::Plain), worker("P", Role::Prefill)],
             Arc::new(Down("B")),
         );

@@ -6,11 +6,11 @@ use crate::config::AdmissionLimits;
 use crate::policies::admission::AdmissionGate;
 use crate::policies::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Role;
-use crate::registry::{EngineAddress, Worker};
+use crate::registry::{Engine, EngineAddress};
 use crate::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
 
-pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Worker> {
-    Arc::new(Worker {
+pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Engine> {
+    Arc::new(Engine {
         id: id.to_string(),
         model: model.to_string(),
         role,
@@ -21,11 +21,11 @@ pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Worker> {
     })
 }
 
-pub fn worker(id: &str) -> Arc<Worker> {
+pub fn worker(id: &str) -> Arc<Engine> {
     worker_with(id, Role::Plain, "m")
 }
 
-pub fn workers(ids: &[&str]) -> Vec<Arc<Worker>> {
+pub fn workers(ids: &[&str]) -> Vec<Arc<Engine>> {
     ids.iter().map(|id| worker(id)).collect()
 }
 
@@ -85,7 +85,7 @@ pub fn request(stage: Role) -> crate::policies::PickRequest<'static> {
     }
 }
 
-type Answer = Box<dyn Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send>;
+type Answer = Box<dyn Fn(&[Arc<Engine>]) -> Result<Pick, PickError> + Send>;
 
 /// Returns a scripted answer and records which candidates it was offered.
 #[derive(Default)]
@@ -95,7 +95,7 @@ pub struct Scripted {
 }
 
 impl Scripted {
-    pub fn new(answer: impl Fn(&[Arc<Worker>]) -> Result<Pick, PickError> + Send + 'static) -> Arc<Self> {
+    pub fn new(answer: impl Fn(&[Arc<Engine>]) -> Result<Pick, PickError> + Send + 'static) -> Arc<Self> {
         Arc::new(Self { answer: Mutex::new(Some(Box::new(answer))), offered: Mutex::default() })
     }
 
@@ -116,7 +116,7 @@ impl std::fmt::Debug for Scripted {
 }
 
 impl Policy for Scripted {
-    fn pick(&self, engines: &[Arc<Worker>], _: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], _: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.offered.lock().unwrap().push(engines.iter().map(|w| w.id.clone()).collect());
         let answer = self.answer.lock().unwrap();
         let result = (answer.as_ref().unwrap())(engines);

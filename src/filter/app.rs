@@ -12,7 +12,7 @@ use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::{GroupsConfig, RouterConfig};
 use crate::policies::pressure::prefill_rate;
-use crate::registry::{Availability, WorkerRegistry};
+use crate::registry::{Availability, EngineRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
 use crate::state::health;
@@ -23,7 +23,7 @@ use crate::wiring::upstream::UpstreamHeader;
 
 pub struct AppContext {
     config: Arc<RouterConfig>,
-    registry: WorkerRegistry,
+    registry: EngineRegistry,
     availability: Arc<SharedAvailability>,
     resolvers: Resolvers,
     handles: StateHandles,
@@ -65,7 +65,7 @@ impl AppContext {
             handles.tables_recheck_ms,
             health::stale_after_ms(config.health.interval_ms),
         ));
-        let registry = WorkerRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
+        let registry = EngineRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);

@@ -23,7 +23,7 @@ fn rejection_counters<'a>(skipped: impl IntoIterator<Item = &'a SkippedBucket>) 
 pub fn selected(selection: &Selection) -> Vec<Counter> {
     // Why each engine was chosen: a cache hit, a confirmed miss and an unavailable index stay apart.
     fn picked(counters: &mut Vec<Counter>, stage: Role, p: &Pick) {
-        counters.push(Counter::Pick(stage, Arc::clone(&p.worker)));
+        counters.push(Counter::Pick(stage, Arc::clone(&p.engine)));
         counters.push(Counter::PickReason(stage, p.reason));
     }
     let mut counters = Vec::with_capacity(6);

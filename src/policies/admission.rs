@@ -4,7 +4,7 @@
 
 use super::{PickError, Rejection};
 use crate::config::AdmissionLimits;
-use crate::registry::Worker;
+use crate::registry::Engine;
 use crate::state::load_monitor::EngineLoad;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -59,7 +59,7 @@ pub enum Admission {
 
 /// Acceptance of one engine a policy chose (design §4): `Allow` or `Reject(limit)`.
 pub trait EngineAdmission: Send + Sync + std::fmt::Debug {
-    fn check(&self, engine: &Worker, metrics: &EngineMetrics) -> Admission;
+    fn check(&self, engine: &Engine, metrics: &EngineMetrics) -> Admission;
 
     /// Whether any check reads engine-reported metrics (lets callers skip reading the table).
     fn needs_reports(&self) -> bool {
@@ -68,7 +68,7 @@ pub trait EngineAdmission: Send + Sync + std::fmt::Debug {
 }
 
 impl EngineAdmission for AdmissionLimits {
-    fn check(&self, _engine: &Worker, m: &EngineMetrics) -> Admission {
+    fn check(&self, _engine: &Engine, m: &EngineMetrics) -> Admission {
         // A cap admits while the metric is below it; an unknown metric is not checked.
         let checks = [
             (Limit::MaxRunningRequests, self.max_running_requests, m.running),
@@ -98,12 +98,12 @@ impl EngineAdmission for AdmissionLimits {
 /// Runs one check and turns a rejection into the policy outcome `AdmissionRejected`.
 pub fn admit_or_reject(
     admission: &dyn EngineAdmission,
-    engine: &Worker,
+    engine: &Engine,
     metrics: &EngineMetrics,
 ) -> Result<(), PickError> {
     match admission.check(engine, metrics) {
         Admission::Allow => Ok(()),
-        Admission::Reject(limit) => Err(PickError::AdmissionRejected(Rejection { worker: engine.id.clone(), limit })),
+        Admission::Reject(limit) => Err(PickError::AdmissionRejected(Rejection { engine: engine.id.clone(), limit })),
     }
 }
 
@@ -117,7 +117,7 @@ pub struct AdmissionGate {
 
 impl AdmissionGate {
     /// Checks an engine against the load record already captured for its selection.
-    pub fn check_with(&self, engine: &Worker, load: Option<&EngineLoad>) -> Result<(), PickError> {
+    pub fn check_with(&self, engine: &Engine, load: Option<&EngineLoad>) -> Result<(), PickError> {
         let metrics = EngineMetrics::from_load(load, self.inflight.inflight(&engine.id));
         admit_or_reject(self.admission.as_ref(), engine, &metrics)
     }
@@ -126,7 +126,7 @@ impl AdmissionGate {
     /// pick. When every one is rejected, the outcome lists each rejection.
     pub fn first_admitted<'w>(
         &self,
-        ordered: impl IntoIterator<Item = &'w std::sync::Arc<Worker>>,
+        ordered: impl IntoIterator<Item = &'w std::sync::Arc<Engine>>,
         snapshot: &crate::state::load_monitor::LoadSnapshot,
         reason: super::PickReason,
     ) -> Result<super::Pick, PickError> {
@@ -144,7 +144,7 @@ impl AdmissionGate {
     /// Takes `engines[index]` and checks it once: the rotation and random policies' whole answer.
     pub fn checked_pick(
         &self,
-        engines: &[std::sync::Arc<Worker>],
+        engines: &[std::sync::Arc<Engine>],
         index: usize,
         reason: super::PickReason,
     ) -> Result<super::Pick, PickError> {
@@ -155,7 +155,7 @@ impl AdmissionGate {
 
     /// Checks an engine chosen without load observations; reads the current report only when a
     /// cap needs one.
-    pub fn check(&self, engine: &Worker) -> Result<(), PickError> {
+    pub fn check(&self, engine: &Engine) -> Result<(), PickError> {
         if self.admission.needs_reports() {
             let snapshot = self.load.snapshot();
             self.check_with(engine, snapshot.get(&engine.id))

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::admission::AdmissionGate;
 use super::{Pick, PickError, PickReason, PickRequest, Policy};
-use crate::registry::Worker;
+use crate::registry::Engine;
 use crate::state::affinity_store::{AffinityStore, BindingKind, Bound, Scope};
 
 /// How many times a concurrent binding may change under us before the attempt gives up.
@@ -25,13 +25,13 @@ pub struct BindingPolicy {
 }
 
 impl Policy for BindingPolicy {
-    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.walk(engines, request)
     }
 }
 
 impl BindingPolicy {
-    fn walk(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn walk(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let key = match self.kind {
             BindingKind::Session => request.session_key,
             BindingKind::Sticky => request.routing_key,
@@ -39,7 +39,7 @@ impl BindingPolicy {
         .filter(|k| !k.is_empty());
         let Some(key) = key else {
             let pick = self.fallback.pick(engines, request)?;
-            self.gate.check(&pick.worker)?;
+            self.gate.check(&pick.engine)?;
             return Ok(Pick { reason: PickReason::NoKey, ..pick });
         };
         let scope =
@@ -54,8 +54,8 @@ impl BindingPolicy {
             }
             // New key, or bound outside this group's candidates: choose, check, then bind.
             let pick = self.fallback.pick(engines, request)?;
-            self.gate.check(&pick.worker)?;
-            match self.store.bind(&scope, &pick.worker.id, bound.as_deref()) {
+            self.gate.check(&pick.engine)?;
+            match self.store.bind(&scope, &pick.engine.id, bound.as_deref()) {
                 Ok(Bound::Ours) => return Ok(Pick { reason: PickReason::NewBinding, ..pick }),
                 // A concurrent first assignment won; the next round checks that engine.
                 Ok(Bound::Theirs(_)) => continue,

@@ -17,7 +17,7 @@ use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::config::CacheAwareConfig;
 use crate::host::{Host, HostError};
 use crate::protocol::indexer::PrefixHit;
-use crate::registry::Worker;
+use crate::registry::Engine;
 use crate::state::load_monitor::{EngineLoad, InflightTable, LoadSnapshot, LocalLoad};
 use crate::state::prefix::PrefixReplica;
 use crate::state::schedule::Period;
@@ -161,7 +161,7 @@ impl CacheSource for LocalCacheSource {
                 .into_iter()
                 .map(|m| {
                     let tokens = m.matched_bytes / self.bytes_per_token;
-                    PrefixHit { worker: m.worker, matched_tokens: tokens, gpu_tokens: tokens }
+                    PrefixHit { engine: m.worker, matched_tokens: tokens, gpu_tokens: tokens }
                 })
                 .collect(),
         ))
@@ -182,7 +182,7 @@ pub struct CacheAwarePolicy {
 /// One usable prefix holder.
 #[derive(Debug, Clone)]
 struct Holder {
-    worker: Arc<Worker>,
+    worker: Arc<Engine>,
     matched_tokens: u64,
 }
 
@@ -202,7 +202,7 @@ const WAIT_QUANTUM_MS: f64 = 10.0;
 /// waiting (router-local in-flight without a fresh report), then the uncached tokens the engine
 /// was ever sent — among engines equally idle a new prefix goes where the least distinct content
 /// went, what sglang-router's smallest tree measures — then in-flight, then id.
-fn load_key(w: &Worker, load: Option<&EngineLoad>, local: LocalLoad, wait_ms: f64) -> (u64, u64, u64, u64, String) {
+fn load_key(w: &Engine, load: Option<&EngineLoad>, local: LocalLoad, wait_ms: f64) -> (u64, u64, u64, u64, String) {
     let reported = load.and_then(|l| Some(l.running?.saturating_add(l.waiting?)));
     (
         (wait_ms / WAIT_QUANTUM_MS) as u64,
@@ -227,7 +227,7 @@ impl CacheAwarePolicy {
 
     /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds: its own
     /// wait for a first token, plus its prefill counted [`UNCACHED_WEIGHT`] times more.
-    fn cost_ms(&self, snapshot: &LoadSnapshot, w: &Worker, uncached: u64) -> f64 {
+    fn cost_ms(&self, snapshot: &LoadSnapshot, w: &Engine, uncached: u64) -> f64 {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
         let rate = prefill_rate(load, self.assumed_tokens_per_ms);
@@ -239,18 +239,18 @@ impl CacheAwarePolicy {
         self.config.switch_margin_tokens as f64 / self.assumed_tokens_per_ms
     }
 
-    fn key(&self, snapshot: &LoadSnapshot, w: &Worker) -> (u64, u64, u64, u64, String) {
+    fn key(&self, snapshot: &LoadSnapshot, w: &Engine) -> (u64, u64, u64, u64, String) {
         let local = self.gate.inflight.local_load(&w.id);
         let load = snapshot.get(&w.id);
         load_key(w, load, local, expected_wait_ms(load, &local, 0, self.assumed_tokens_per_ms))
     }
 
-    fn waiting(snapshot: &LoadSnapshot, w: &Worker) -> Option<u64> {
+    fn waiting(snapshot: &LoadSnapshot, w: &Engine) -> Option<u64> {
         snapshot.get(&w.id).and_then(|l| l.waiting)
     }
 
     /// Step 4's soft gate: past the worker queue limit (unknown queues are not past it).
-    fn queued(&self, snapshot: &LoadSnapshot, w: &Worker) -> bool {
+    fn queued(&self, snapshot: &LoadSnapshot, w: &Engine) -> bool {
         self.config.worker_queue_limit.is_some_and(|limit| Self::waiting(snapshot, w).is_some_and(|q| q >= limit))
     }
 
@@ -260,7 +260,7 @@ impl CacheAwarePolicy {
     /// cached long prompt is not a miss.
     fn usable_holders(
         &self,
-        engines: &[Arc<Worker>],
+        engines: &[Arc<Engine>],
         matches: &[PrefixHit],
         input: u64,
         compared: u64,
@@ -269,7 +269,7 @@ impl CacheAwarePolicy {
         let mut holders: Vec<Holder> = matches
             .iter()
             .filter_map(|m| {
-                let worker = engines.iter().find(|w| w.id == m.worker)?;
+                let worker = engines.iter().find(|w| w.id == m.engine)?;
                 let matched_tokens = m.effective_tokens().min(input);
                 let ratio_ok = self
                     .config
@@ -290,7 +290,7 @@ impl CacheAwarePolicy {
     }
 
     /// Step 5's pressure guard: holders far busier than the least busy candidate lose preference.
-    fn within_pressure_guard(&self, holder: &Holder, engines: &[Arc<Worker>], snapshot: &LoadSnapshot) -> bool {
+    fn within_pressure_guard(&self, holder: &Holder, engines: &[Arc<Engine>], snapshot: &LoadSnapshot) -> bool {
         let Some(guard) = &self.config.pressure_guard else { return true };
         let Some(load) = snapshot.get(&holder.worker.id) else { return true };
         let least =
@@ -327,7 +327,7 @@ impl CacheAwarePolicy {
     /// Step 6: the load fallback's winner, checked by this policy.
     fn load_fallback(
         &self,
-        engines: &[Arc<Worker>],
+        engines: &[Arc<Engine>],
         snapshot: &LoadSnapshot,
         reason: PickReason,
     ) -> Result<Pick, PickError> {
@@ -336,7 +336,7 @@ impl CacheAwarePolicy {
 
     fn checked(
         &self,
-        winner: Option<&Arc<Worker>>,
+        winner: Option<&Arc<Engine>>,
         snapshot: &LoadSnapshot,
         reason: PickReason,
     ) -> Result<Pick, PickError> {
@@ -347,11 +347,11 @@ impl CacheAwarePolicy {
 
     /// Step 6's choice: power-of-k over the engines inside the soft queue gate (all of them if none
     /// is), the exact minimum when k covers the pool.
-    fn fallback_engine<'e>(&self, engines: &'e [Arc<Worker>], snapshot: &LoadSnapshot) -> Option<&'e Arc<Worker>> {
-        let open: Vec<&Arc<Worker>> = engines.iter().filter(|w| !self.queued(snapshot, w)).collect();
-        let pool: Vec<&Arc<Worker>> = if open.is_empty() { engines.iter().collect() } else { open };
+    fn fallback_engine<'e>(&self, engines: &'e [Arc<Engine>], snapshot: &LoadSnapshot) -> Option<&'e Arc<Engine>> {
+        let open: Vec<&Arc<Engine>> = engines.iter().filter(|w| !self.queued(snapshot, w)).collect();
+        let pool: Vec<&Arc<Engine>> = if open.is_empty() { engines.iter().collect() } else { open };
         let k = self.config.min_load_choices.max(1);
-        let sampled: Vec<&Arc<Worker>> = if k >= pool.len() {
+        let sampled: Vec<&Arc<Engine>> = if k >= pool.len() {
             pool
         } else {
             let mut remaining = pool;
@@ -360,7 +360,7 @@ impl CacheAwarePolicy {
         sampled.into_iter().min_by_key(|w| self.key(snapshot, w))
     }
 
-    fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn choose(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let text = request.prompt_text.filter(|_| !self.source.exact());
         let lookup = self.source.lookup(request);
         let snapshot = self.gate.load.snapshot();
@@ -370,7 +370,7 @@ impl CacheAwarePolicy {
         };
         // The chosen engine's match is what it is spared prefilling, whatever the reason it won.
         let cached = |pick: Pick| {
-            let held = matches.iter().find(|h| h.worker == pick.worker.id).map_or(0, PrefixHit::effective_tokens);
+            let held = matches.iter().find(|h| h.engine == pick.engine.id).map_or(0, PrefixHit::effective_tokens);
             Pick { cached_tokens: held.min(request.input_tokens), ..pick }
         };
         let input = request.input_tokens;
@@ -421,7 +421,7 @@ impl CacheAwarePolicy {
 }
 
 impl Policy for CacheAwarePolicy {
-    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.choose(engines, request)
     }
 }
@@ -462,7 +462,7 @@ mod tests {
         };
         let holders = |text: &str| match source.lookup(&PickRequest { prompt_text: Some(text), ..request(Role::Plain) })
         {
-            CacheLookup::Matches(m) => m.iter().map(|h| h.worker.clone()).collect::<Vec<_>>(),
+            CacheLookup::Matches(m) => m.iter().map(|h| h.engine.clone()).collect::<Vec<_>>(),
             CacheLookup::Unavailable(e) => panic!("{e}"),
         };
         service.append(host.as_ref(), vec![stored("A", "hello")]).unwrap();
@@ -492,7 +492,7 @@ mod tests {
         fn matches(m: &[(&str, u64)]) -> Arc<Self> {
             let matches = m
                 .iter()
-                .map(|(w, tokens)| PrefixHit { worker: w.to_string(), matched_tokens: *tokens, gpu_tokens: *tokens })
+                .map(|(w, tokens)| PrefixHit { engine: w.to_string(), matched_tokens: *tokens, gpu_tokens: *tokens })
                 .collect();
             Arc::new(Self { answer: CacheLookup::Matches(Cow::Owned(matches)), lookups: AtomicUsize::new(0) })
         }
@@ -535,7 +535,7 @@ mod tests {
         let s = State::new();
         let p = policy(&s, Fixed::matches(&[("B", 900), ("C", 200)]), tuned(|_| {}), AdmissionLimits::default());
         let r = pick(&p, &["A", "B", "C"], 1000).unwrap();
-        assert_eq!((r.worker.id.as_str(), r.reason), ("B", PickReason::CacheHit));
+        assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::CacheHit));
     }
 
     #[test]
@@ -546,7 +546,7 @@ mod tests {
         let p = policy(&s, Fixed::matches(&[("B", 1023)]), CacheAwareConfig::default(), AdmissionLimits::default());
         assert_eq!(pick(&p, &["A", "B"], 5000).unwrap().reason, PickReason::CacheMiss);
         let p = policy(&s, Fixed::matches(&[("B", 1024)]), CacheAwareConfig::default(), AdmissionLimits::default());
-        assert_eq!(pick(&p, &["A", "B"], 5000).unwrap().worker.id, "B");
+        assert_eq!(pick(&p, &["A", "B"], 5000).unwrap().engine.id, "B");
     }
 
     #[test]
@@ -559,7 +559,7 @@ mod tests {
             AdmissionLimits::default(),
         );
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().reason, PickReason::CacheMiss, "30 % < 50 %");
-        assert_eq!(pick(&p, &["A", "B"], 500).unwrap().worker.id, "B", "60 % passes");
+        assert_eq!(pick(&p, &["A", "B"], 500).unwrap().engine.id, "B", "60 % passes");
     }
 
     #[test]
@@ -576,7 +576,7 @@ mod tests {
         let text: &'static str = Box::leak("p".repeat(64 * 1024).into_boxed_str());
         let r = PickRequest { input_tokens: 50_000, prompt_text: Some(text), ..request(Role::Plain) };
         let pick = p.pick(&workers(&["A", "B"]), &r).unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::CacheHit));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("B", PickReason::CacheHit));
     }
 
     #[test]
@@ -598,11 +598,11 @@ mod tests {
         assert_eq!(
             err,
             PickError::NoAdmissibleEngine {
-                rejections: vec![Rejection { worker: "B".into(), limit: Limit::MaxInflightRequests }]
+                rejections: vec![Rejection { engine: "B".into(), limit: Limit::MaxInflightRequests }]
             }
         );
         let p = policy(&s, Fixed::matches(&[("B", 900), ("C", 800)]), tuned(|c| c.min_candidates = 2), limits);
-        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "C", "the next bounded holder is checked");
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "C", "the next bounded holder is checked");
     }
 
     #[test]
@@ -627,7 +627,7 @@ mod tests {
             tuned(|c| c.worker_queue_limit = Some(8)),
             AdmissionLimits::default(),
         );
-        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "C");
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "C");
     }
 
     #[test]
@@ -642,11 +642,11 @@ mod tests {
         };
         let p = policy(&s, Fixed::matches(&[("B", 900)]), cfg(Some(0.8)), AdmissionLimits::default());
         let r = pick(&p, &["A", "B", "C"], 1000).unwrap();
-        assert_eq!((r.worker.id.as_str(), r.reason), ("B", PickReason::SaturationPin));
+        assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::SaturationPin));
         let p = policy(&s, Fixed::matches(&[("B", 900)]), cfg(Some(0.95)), AdmissionLimits::default());
         let r = pick(&p, &["A", "B", "C"], 1000).unwrap();
         assert_eq!(
-            (r.worker.id.as_str(), r.reason),
+            (r.engine.id.as_str(), r.reason),
             ("C", PickReason::CacheMiss),
             "the fallback prefers the open engine"
         );
@@ -683,7 +683,7 @@ mod tests {
             tuned(|c| c.min_candidates = 2),
             AdmissionLimits::default(),
         );
-        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "C");
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "C");
         let p = policy(
             &s,
             Fixed::matches(&[("B", 900), ("C", 500)]),
@@ -693,7 +693,7 @@ mod tests {
             }),
             AdmissionLimits::default(),
         );
-        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "B", "1,400 saved is not more than the margin");
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "B", "1,400 saved is not more than the margin");
     }
 
     #[test]
@@ -708,9 +708,9 @@ mod tests {
             AdmissionLimits::default(),
         );
         let r = pick(&p, &["A", "B"], 1000).unwrap();
-        assert_eq!((r.worker.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
+        assert_eq!((r.engine.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 10))]);
-        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "B", "within the guard");
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B", "within the guard");
     }
 
     /// A report of `running` + `waiting` on an engine with `slots`, whose requests held it
@@ -734,11 +734,11 @@ mod tests {
         let p = policy(&s, Fixed::matches(&[("B", 900)]), tuned(|_| {}), AdmissionLimits::default());
         // B: 4 ahead × 200 ms = 800 ms; A: 1,000 tokens at 20/ms = 50 ms, weighed 9× = 450 ms.
         let r = pick(&p, &["A", "B"], 1000).unwrap();
-        assert_eq!((r.worker.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
+        assert_eq!((r.engine.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
         let shorter = slotted(&s, "B", 4, 1, 4, 800);
         s.loads(&[(idle.0.as_str(), idle.1), (shorter.0.as_str(), shorter.1)]);
         // B: 2 ahead = 400 ms plus 100 tokens weighed 9× = 45 ms: still under 450 ms.
-        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "B", "a shorter queue keeps the hit");
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B", "a shorter queue keeps the hit");
     }
 
     #[test]
@@ -749,10 +749,10 @@ mod tests {
         s.inflight.release("A", 4_096, 5);
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
         let r = pick(&p, &["A", "B"], 1000).unwrap();
-        assert_eq!((r.worker.id.as_str(), r.reason), ("B", PickReason::CacheMiss));
+        assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::CacheMiss));
         s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9 });
         s.inflight.release("B", 8_192, 5);
-        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "A");
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
     }
 
     #[test]
@@ -762,11 +762,11 @@ mod tests {
         // Sent 2,000 tokens at 1 token/ms: 2 s of prefill the report does not show.
         s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 1.0 });
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
-        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "B");
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B");
         s.inflight.set_now(2_000);
         // Drained: the next difference decides — B was given more distinct content than A.
         s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9 });
-        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().worker.id, "A");
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
     }
 
     #[test]
@@ -783,7 +783,7 @@ mod tests {
         s.loads(&[("A", native_load(5, 0)), ("B", native_load(1, 1)), ("C", native_load(3, 0))]);
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 3), AdmissionLimits::default());
         for _ in 0..10 {
-            assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().worker.id, "B");
+            assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "B");
         }
     }
 
@@ -800,7 +800,7 @@ mod tests {
         let err = pick(&p, &["A"], 1000).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests })
+            PickError::AdmissionRejected(Rejection { engine: "A".into(), limit: Limit::MaxInflightRequests })
         );
     }
 
@@ -810,7 +810,7 @@ mod tests {
         let s = State::new();
         let p = policy(&s, Fixed::matches(&[("B", 900), ("C", 200)]), tuned(|_| {}), AdmissionLimits::default());
         let hit = pick(&p, &["A", "B", "C"], 1000).unwrap();
-        assert_eq!((hit.worker.id.as_str(), hit.cached_tokens), ("B", 900));
+        assert_eq!((hit.engine.id.as_str(), hit.cached_tokens), ("B", 900));
         let miss = pick(&p, &["A", "D"], 1000).unwrap();
         assert_eq!((miss.reason, miss.cached_tokens), (PickReason::CacheMiss, 0));
     }
@@ -819,7 +819,7 @@ mod tests {
     #[test]
     fn the_remote_source_reads_the_requests_indexer_answer() {
         use crate::protocol::indexer::IndexerMatch;
-        let hits = vec![PrefixHit { worker: "A".into(), matched_tokens: 5, gpu_tokens: 5 }];
+        let hits = vec![PrefixHit { engine: "A".into(), matched_tokens: 5, gpu_tokens: 5 }];
         let answered: crate::protocol::indexer::IndexerAnswer =
             Ok(IndexerMatch { input_tokens: 9, hits: hits.clone(), handle: None });
         let failed: crate::protocol::indexer::IndexerAnswer = Err("late".into());

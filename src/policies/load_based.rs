@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::admission::AdmissionGate;
 use super::{Pick, PickError, PickReason, PickRequest, Policy};
-use crate::registry::Worker;
+use crate::registry::Engine;
 
 #[derive(Debug)]
 pub struct LoadBasedPolicy {
@@ -19,10 +19,10 @@ impl LoadBasedPolicy {
         Self { gate }
     }
 
-    fn choose(&self, engines: &[Arc<Worker>]) -> Result<Pick, PickError> {
+    fn choose(&self, engines: &[Arc<Engine>]) -> Result<Pick, PickError> {
         let snapshot = self.gate.load.snapshot();
         let inflight = &self.gate.inflight;
-        let mut ranked: Vec<(u64, u64, &Arc<Worker>)> = engines
+        let mut ranked: Vec<(u64, u64, &Arc<Engine>)> = engines
             .iter()
             .map(|w| {
                 // One read of the in-memory table per engine: in-flight and the dispatch total together.
@@ -43,7 +43,7 @@ impl LoadBasedPolicy {
             .collect();
         // Candidates arrive sorted by id, so the first minimum and the stable sort both end ties
         // on id order. The common case (the least loaded engine is admitted) needs no sort.
-        let key = |(load, local, _): &(u64, u64, &Arc<Worker>)| (*load, *local);
+        let key = |(load, local, _): &(u64, u64, &Arc<Engine>)| (*load, *local);
         let Some(best) = ranked.iter().min_by_key(|r| key(r)).map(|r| r.2) else {
             return Err(PickError::no_candidates("load_based has no candidates"));
         };
@@ -58,7 +58,7 @@ impl LoadBasedPolicy {
 }
 
 impl Policy for LoadBasedPolicy {
-    fn pick(&self, engines: &[Arc<Worker>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.choose(engines)
     }
 }
@@ -81,7 +81,7 @@ mod tests {
     fn reported_running_plus_waiting_decides() {
         let s = State::new();
         s.loads(&[("A", native_load(3, 3)), ("B", native_load(4, 1)), ("C", basic_load(1, 9))]);
-        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().worker.id, "B");
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().engine.id, "B");
     }
 
     #[test]
@@ -97,7 +97,7 @@ mod tests {
             s.inflight.release("A", 0, 0);
         }
         // A: 1 reported + 3 sent since the report = 4 > B's 3.
-        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().worker.id, "B");
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().engine.id, "B");
     }
 
     #[test]
@@ -105,7 +105,7 @@ mod tests {
         let s = State::new();
         s.inflight.set("A", 5);
         s.inflight.set("B", 2);
-        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().worker.id, "B");
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B"]).unwrap().engine.id, "B");
     }
 
     #[test]
@@ -113,10 +113,10 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(2, 0)), ("B", native_load(2, 0)), ("C", native_load(2, 0))]);
         s.inflight.set("A", 1);
-        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().worker.id, "B");
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().engine.id, "B");
         s.inflight.set("B", 1);
         s.inflight.set("C", 1);
-        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().worker.id, "A");
+        assert_eq!(pick(&s, AdmissionLimits::default(), &["A", "B", "C"]).unwrap().engine.id, "A");
     }
 
     #[test]
@@ -130,12 +130,12 @@ mod tests {
             pick(&s, limits, &["A", "B"]).unwrap_err(),
             PickError::NoAdmissibleEngine {
                 rejections: vec![
-                    Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests },
-                    Rejection { worker: "B".into(), limit: Limit::MaxRunningRequests },
+                    Rejection { engine: "A".into(), limit: Limit::MaxInflightRequests },
+                    Rejection { engine: "B".into(), limit: Limit::MaxRunningRequests },
                 ]
             }
         );
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(4, 0))]);
-        assert_eq!(pick(&s, limits, &["A", "B"]).unwrap().worker.id, "B");
+        assert_eq!(pick(&s, limits, &["A", "B"]).unwrap().engine.id, "B");
     }
 }

@@ -28,8 +28,8 @@ pub use sticky::StickyPolicy;
 
 use crate::host::Host;
 use crate::protocol::indexer::IndexerAnswer;
+use crate::registry::Engine;
 use crate::registry::Role;
-use crate::registry::Worker;
 
 /// Facts of one group call: no body, no state handles, no observations.
 #[derive(Debug, Clone, Copy)]
@@ -106,7 +106,7 @@ impl PickReason {
 /// One engine from the supplied set that passed admission.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pick {
-    pub worker: Arc<Worker>,
+    pub engine: Arc<Engine>,
     pub reason: PickReason,
     /// The prompt's tokens the engine holds by the policy's prefix lookup (none without one): the
     /// prefill work it is spared.
@@ -114,15 +114,15 @@ pub struct Pick {
 }
 
 impl Pick {
-    pub fn new(worker: Arc<Worker>, reason: PickReason) -> Self {
-        Self { worker, reason, cached_tokens: 0 }
+    pub fn new(engine: Arc<Engine>, reason: PickReason) -> Self {
+        Self { engine, reason, cached_tokens: 0 }
     }
 }
 
 /// An engine turned away by an admission cap.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
-    pub worker: String,
+    pub engine: String,
     pub limit: Limit,
 }
 
@@ -137,7 +137,7 @@ pub enum PickError {
     #[error("no admissible engine ({} rejected)", .rejections.len())]
     NoAdmissibleEngine { rejections: Vec<Rejection> },
     /// The chosen engine failed after-selection admission.
-    #[error("{} rejected by {}", .0.worker, .0.limit.as_str())]
+    #[error("{} rejected by {}", .0.engine, .0.limit.as_str())]
     AdmissionRejected(Rejection),
     /// The request's facts cannot be acted on (e.g. a peak below the input).
     #[error("invalid signal: {0}")]
@@ -173,7 +173,7 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// where its algorithm says. Returns the engine and why, or the outcome that tells the bucket
     /// loop what to do next: `NoCandidates`, `NoAdmissibleEngine` and `AdmissionRejected` advance to
     /// the next bucket; the others stop routing.
-    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError>;
+    fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError>;
 }
 
 /// Where policies draw randomness from.

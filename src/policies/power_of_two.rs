@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::admission::AdmissionGate;
 use super::pressure::{compare_for_stage, PREFILL_QUANTUM_TOKENS};
 use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
-use crate::registry::{Role, Worker};
+use crate::registry::{Engine, Role};
 use crate::state::load_monitor::{EngineLoad, LocalLoad};
 
 #[derive(Debug)]
@@ -32,7 +32,7 @@ impl PowerOfTwoPolicy {
         (first, second)
     }
 
-    fn choose(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn choose(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let snapshot = self.gate.load.snapshot();
         let (chosen, reason) = match engines {
             [] => return Err(PickError::no_candidates("power_of_two has no candidates")),
@@ -85,7 +85,7 @@ impl PowerOfTwoPolicy {
 }
 
 impl Policy for PowerOfTwoPolicy {
-    fn pick(&self, engines: &[Arc<Worker>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.choose(engines, request)
     }
 }
@@ -131,7 +131,7 @@ mod tests {
         let s = State::new();
         let p = p2c(Arc::new(Draws(Mutex::new(vec![]))), &s, AdmissionLimits::default());
         let pick = p.pick(&workers(&["A"]), &request(Role::Plain)).unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::SingleCandidate));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("A", PickReason::SingleCandidate));
     }
 
     #[test]
@@ -146,7 +146,7 @@ mod tests {
         let err = p.pick(&workers(&["A"]), &request(Role::Plain)).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxRunningRequests })
+            PickError::AdmissionRejected(Rejection { engine: "A".into(), limit: Limit::MaxRunningRequests })
         );
     }
 
@@ -183,7 +183,7 @@ mod tests {
         s.loads(&[("A", native_load(0, 9)), ("B", native_load(5, 1))]);
         let p = p2c(Draws::picking(3, 0, 1), &s, AdmissionLimits::default());
         let pick = p.pick(&workers(&["A", "B", "C"]), &request(Role::Plain)).unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::LowerPressure));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("B", PickReason::LowerPressure));
     }
 
     #[test]
@@ -200,7 +200,7 @@ mod tests {
             p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Prefill)).unwrap();
         let decode =
             p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default()).pick(&ws, &request(Role::Decode)).unwrap();
-        assert_eq!((prefill.worker.id.as_str(), decode.worker.id.as_str()), ("A", "B"));
+        assert_eq!((prefill.engine.id.as_str(), decode.engine.id.as_str()), ("A", "B"));
     }
 
     #[test]
@@ -212,7 +212,7 @@ mod tests {
         let pick = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::InflightTieBreak));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("B", PickReason::InflightTieBreak));
     }
 
     #[test]
@@ -222,7 +222,7 @@ mod tests {
         let pick = p2c(Draws::picking(2, 1, 0), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::FirstSampled));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("B", PickReason::FirstSampled));
     }
 
     #[test]
@@ -234,7 +234,7 @@ mod tests {
         let plain = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
-        assert_eq!((plain.worker.id.as_str(), plain.reason), ("B", PickReason::LowerPressure));
+        assert_eq!((plain.engine.id.as_str(), plain.reason), ("B", PickReason::LowerPressure));
         // A reported queue is the engine's word, not replaced by the estimate.
         let mut a = native_load(2, 0);
         a.waiting_uncached_tokens = Some(0);
@@ -244,7 +244,7 @@ mod tests {
         let reported = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
-        assert_eq!(reported.worker.id, "A");
+        assert_eq!(reported.engine.id, "A");
     }
 
     #[test]
@@ -256,7 +256,7 @@ mod tests {
             p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
                 .pick(&workers(&["A", "B"]), &request(stage))
                 .unwrap()
-                .worker
+                .engine
                 .id
                 .clone()
         };
@@ -274,14 +274,14 @@ mod tests {
         let pick = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::RouterLocalLoad));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("A", PickReason::RouterLocalLoad));
 
         // A basic report is fresh but not native: same rule.
         s.loads(&[("A", basic_load(50, 50)), ("B", native_load(0, 0))]);
         let pick = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
-        assert_eq!(pick.worker.id, "A");
+        assert_eq!(pick.engine.id, "A");
     }
 
     #[test]
@@ -294,7 +294,7 @@ mod tests {
         let err = p.pick(&workers(&["A", "B"]), &request(Role::Plain)).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection { worker: "B".into(), limit: Limit::MaxRunningRequests })
+            PickError::AdmissionRejected(Rejection { engine: "B".into(), limit: Limit::MaxRunningRequests })
         );
     }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::admission::AdmissionGate;
 use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
-use crate::registry::Worker;
+use crate::registry::Engine;
 
 #[derive(Debug)]
 pub struct RandomPolicy {
@@ -19,7 +19,7 @@ impl RandomPolicy {
 }
 
 impl Policy for RandomPolicy {
-    fn pick(&self, engines: &[Arc<Worker>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.gate.checked_pick(engines, self.random.below(engines.len()), PickReason::Random)
     }
 }
@@ -43,7 +43,7 @@ mod tests {
         let r = request(Role::Plain);
         let mut counts: HashMap<String, u32> = HashMap::new();
         for _ in 0..4000 {
-            *counts.entry(p.pick(&ws, &r).unwrap().worker.id.clone()).or_default() += 1;
+            *counts.entry(p.pick(&ws, &r).unwrap().engine.id.clone()).or_default() += 1;
         }
         for id in ["A", "B", "C", "D"] {
             let c = counts.get(id).copied().unwrap_or(0);

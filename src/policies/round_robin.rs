@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::admission::AdmissionGate;
 use super::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::host::Host;
-use crate::registry::Worker;
+use crate::registry::Engine;
 use crate::state::{keys, shared};
 
 /// The policy instance's position; each call returns the next ticket.
@@ -65,7 +65,7 @@ impl RoundRobinPolicy {
 }
 
 impl Policy for RoundRobinPolicy {
-    fn pick(&self, engines: &[Arc<Worker>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
+    fn pick(&self, engines: &[Arc<Engine>], _request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let index = self.cursor.next_ticket().checked_rem(engines.len() as u64).unwrap_or(0) as usize;
         self.gate.checked_pick(engines, index, PickReason::Rotation)
     }
@@ -87,7 +87,7 @@ mod tests {
         let p = RoundRobinPolicy::new(Box::new(MemoryCursor::default()), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B", "C"]);
         let r = request(Role::Plain);
-        let ids: Vec<String> = (0..6).map(|_| p.pick(&ws, &r).unwrap().worker.id.clone()).collect();
+        let ids: Vec<String> = (0..6).map(|_| p.pick(&ws, &r).unwrap().engine.id.clone()).collect();
         assert_eq!(ids, ["A", "B", "C", "A", "B", "C"]);
     }
 
@@ -108,10 +108,10 @@ mod tests {
             RoundRobinPolicy::new(Box::new(SharedCursor::new(host, "m/b2/plain")), s.gate(AdmissionLimits::default()));
         let ws = workers(&["A", "B"]);
         let r = request(Role::Plain);
-        assert_eq!(vm1.pick(&ws, &r).unwrap().worker.id, "A");
-        assert_eq!(vm2.pick(&ws, &r).unwrap().worker.id, "B");
-        assert_eq!(other.pick(&ws, &r).unwrap().worker.id, "A", "another instance has its own cursor");
-        assert_eq!(vm1.pick(&ws, &r).unwrap().worker.id, "A");
+        assert_eq!(vm1.pick(&ws, &r).unwrap().engine.id, "A");
+        assert_eq!(vm2.pick(&ws, &r).unwrap().engine.id, "B");
+        assert_eq!(other.pick(&ws, &r).unwrap().engine.id, "A", "another instance has its own cursor");
+        assert_eq!(vm1.pick(&ws, &r).unwrap().engine.id, "A");
     }
 
     #[test]
@@ -133,8 +133,8 @@ mod tests {
         let err = p.pick(&ws, &request(Role::Plain)).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests })
+            PickError::AdmissionRejected(Rejection { engine: "A".into(), limit: Limit::MaxInflightRequests })
         );
-        assert_eq!(p.pick(&ws, &request(Role::Plain)).unwrap().worker.id, "B");
+        assert_eq!(p.pick(&ws, &request(Role::Plain)).unwrap().engine.id, "B");
     }
 }

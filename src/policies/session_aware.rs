@@ -35,8 +35,8 @@ mod tests {
     use super::*;
     use crate::host::{Host, MemoryHost};
     use crate::policies::{Limit, Pick, PickError, PickReason, PickRequest, Policy, Rejection, SeededRandom};
+    use crate::registry::Engine;
     use crate::registry::Role;
-    use crate::registry::Worker;
     use crate::state::affinity_store::{Bound, Scope};
     use crate::testing::test;
     use crate::testing::*;
@@ -87,13 +87,13 @@ mod tests {
         let ws = workers(&["A", "B"]);
         let first = p.pick(&ws, &with_session("s1")).unwrap();
         assert_eq!(first.reason, PickReason::NewBinding);
-        let bound = first.worker.id.clone();
+        let bound = first.engine.id.clone();
         assert_eq!(f.store.get(&scope("s1")), Some(bound.clone()));
         // The bound engine is now far busier; the session stays.
         f.state.loads(&[(&bound, native_load(50, 50))]);
         for _ in 0..5 {
             let again = p.pick(&ws, &with_session("s1")).unwrap();
-            assert_eq!((again.worker.id.clone(), again.reason), (bound.clone(), PickReason::BoundReuse));
+            assert_eq!((again.engine.id.clone(), again.reason), (bound.clone(), PickReason::BoundReuse));
         }
     }
 
@@ -106,7 +106,7 @@ mod tests {
         let err = p.pick(&workers(&["A", "B"]), &with_session("s1")).unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection { worker: "A".into(), limit: Limit::MaxInflightRequests })
+            PickError::AdmissionRejected(Rejection { engine: "A".into(), limit: Limit::MaxInflightRequests })
         );
         assert_eq!(f.store.get(&scope("s1")).as_deref(), Some("A"), "no other engine, binding kept");
     }
@@ -117,7 +117,7 @@ mod tests {
         f.store.bind(&scope("s1"), "Z", None).unwrap();
         let p = f.policy(AdmissionLimits::default());
         let pick = p.pick(&workers(&["A"]), &with_session("s1")).unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("A", PickReason::NewBinding));
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("A", PickReason::NewBinding));
         assert_eq!(f.store.get(&scope("s1")).as_deref(), Some("A"));
     }
 
@@ -137,7 +137,7 @@ mod tests {
     }
 
     impl Policy for RacingFallback {
-        fn pick(&self, engines: &[Arc<Worker>], r: &PickRequest<'_>) -> Result<Pick, PickError> {
+        fn pick(&self, engines: &[Arc<Engine>], r: &PickRequest<'_>) -> Result<Pick, PickError> {
             let scope = Scope {
                 kind: BindingKind::Session,
                 model: r.model,
@@ -166,7 +166,7 @@ mod tests {
     fn concurrent_first_assignments_converge_on_one_binding_which_is_checked() {
         let f = fixture();
         let pick = racing(&f, AdmissionLimits::default()).pick(&workers(&["A", "B"]), &with_session("s1")).unwrap();
-        assert_eq!((pick.worker.id.as_str(), pick.reason), ("B", PickReason::BoundReuse), "we use the winner's engine");
+        assert_eq!((pick.engine.id.as_str(), pick.reason), ("B", PickReason::BoundReuse), "we use the winner's engine");
         assert_eq!(f.store.get(&scope("s1")).as_deref(), Some("B"));
     }
 
@@ -179,7 +179,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err,
-            PickError::AdmissionRejected(Rejection { worker: "B".into(), limit: Limit::MaxInflightRequests })
+            PickError::AdmissionRejected(Rejection { engine: "B".into(), limit: Limit::MaxInflightRequests })
         );
         assert_eq!(f.store.get(&scope("s1")).as_deref(), Some("B"), "the winner's binding stands");
     }

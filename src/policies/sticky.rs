@@ -51,10 +51,10 @@ mod tests {
         let ws = workers(&["A", "B"]);
         let k1 = p.pick(&ws, &keyed("k1")).unwrap();
         let k2 = p.pick(&ws, &keyed("k2")).unwrap();
-        assert_eq!((k1.worker.id.as_str(), k2.worker.id.as_str()), ("A", "B"), "round-robin fallback for new keys");
+        assert_eq!((k1.engine.id.as_str(), k2.engine.id.as_str()), ("A", "B"), "round-robin fallback for new keys");
         for _ in 0..3 {
-            assert_eq!(p.pick(&ws, &keyed("k1")).unwrap().worker.id, "A");
-            assert_eq!(p.pick(&ws, &keyed("k2")).unwrap().worker.id, "B");
+            assert_eq!(p.pick(&ws, &keyed("k1")).unwrap().engine.id, "A");
+            assert_eq!(p.pick(&ws, &keyed("k2")).unwrap().engine.id, "B");
         }
     }
 

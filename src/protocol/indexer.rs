@@ -86,7 +86,7 @@ pub struct DynamoScores {
 /// What one engine holds of the request's prompt, in tokens, with the part held in GPU memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixHit {
-    pub worker: String,
+    pub engine: String,
     pub matched_tokens: u64,
     pub gpu_tokens: u64,
 }
@@ -122,7 +122,7 @@ fn checked(status: Option<u16>) -> Result<(), String> {
 }
 
 fn rank(hits: &mut [PrefixHit]) {
-    hits.sort_by(|a, b| b.effective_tokens().cmp(&a.effective_tokens()).then_with(|| a.worker.cmp(&b.worker)));
+    hits.sort_by(|a, b| b.effective_tokens().cmp(&a.effective_tokens()).then_with(|| a.engine.cmp(&b.engine)));
 }
 
 /// Our indexer's answer; `known_input` is the input length when the caller counted it (a
@@ -135,8 +135,8 @@ pub fn parse_answer(status: Option<u16>, body: &[u8], known_input: Option<u64>) 
     let mut hits: Vec<PrefixHit> = answer
         .data
         .into_iter()
-        .map(|(worker, m)| PrefixHit {
-            worker,
+        .map(|(engine, m)| PrefixHit {
+            engine,
             matched_tokens: m.matched_tokens.min(input_tokens),
             gpu_tokens: m.gpu.unwrap_or(m.matched_tokens),
         })
@@ -155,9 +155,9 @@ pub fn parse_dynamo(status: Option<u16>, body: &[u8], input_tokens: u64) -> Inde
     let mut hits: Vec<PrefixHit> = answer
         .scores
         .into_iter()
-        .filter_map(|(worker, ranks)| {
+        .filter_map(|(engine, ranks)| {
             let best = ranks.into_values().max()?.min(input_tokens);
-            (best > 0).then_some(PrefixHit { worker, matched_tokens: best, gpu_tokens: best })
+            (best > 0).then_some(PrefixHit { engine, matched_tokens: best, gpu_tokens: best })
         })
         .collect();
     rank(&mut hits);
@@ -173,7 +173,7 @@ mod tests {
     fn dynamos_scores_are_read_per_worker_at_its_best_rank() {
         let body = br#"{"scores": {"1": {"0": 32, "1": 160}, "2": {"0": 48}, "3": {"0": 0}}}"#;
         let m = parse_dynamo(Some(200), body, 150).unwrap();
-        let hits: Vec<(&str, u64)> = m.hits.iter().map(|h| (h.worker.as_str(), h.matched_tokens)).collect();
+        let hits: Vec<(&str, u64)> = m.hits.iter().map(|h| (h.engine.as_str(), h.matched_tokens)).collect();
         assert_eq!(hits, [("1", 150), ("2", 48)], "capped at the input, zero dropped");
         assert_eq!((m.input_tokens, m.handle), (150, None));
         assert!(parse_dynamo(Some(200), br#"{"data": {}}"#, 10).is_err());
@@ -188,7 +188,7 @@ mod tests {
             "C": {"matched_tokens": 0}}}"#;
         let m = parse_answer(Some(200), body, None).unwrap();
         assert_eq!(m.input_tokens, 900);
-        let order: Vec<(&str, u64)> = m.hits.iter().map(|h| (h.worker.as_str(), h.effective_tokens())).collect();
+        let order: Vec<(&str, u64)> = m.hits.iter().map(|h| (h.engine.as_str(), h.effective_tokens())).collect();
         assert_eq!(order, [("B", 600), ("A", 400)], "a GPU hit outranks a longer CPU-only one");
         assert_eq!(m.handle.as_deref(), Some("7"));
     }
@@ -221,7 +221,7 @@ mod tests {
         let bytes = serde_json::to_vec(&answer).unwrap();
         assert_eq!(serde_json::from_slice::<MatchAnswer>(&bytes).unwrap(), answer);
         let m = parse_answer(Some(200), &bytes, None).unwrap();
-        assert_eq!(m.hits, [PrefixHit { worker: "A".into(), matched_tokens: 64, gpu_tokens: 48 }]);
+        assert_eq!(m.hits, [PrefixHit { engine: "A".into(), matched_tokens: 64, gpu_tokens: 48 }]);
         let query = Query { model: "m".into(), token_ids: vec![1, 2].into(), lora_name: None, cache_salt: None };
         let bytes = serde_json::to_vec(&query).unwrap();
         assert_eq!(bytes, br#"{"model":"m","token_ids":[1,2]}"#);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::config::RouterConfig;
 use crate::host::{CalloutRequest, Host};
-use crate::registry::Worker;
+use crate::registry::Engine;
 use crate::state::affinity_store::{AffinityStore, BindingKind};
 use crate::state::health::HealthMonitor;
 use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
@@ -46,7 +46,7 @@ pub struct TickPlan {
 pub struct ServiceCore {
     host: Arc<dyn Host>,
     config: RouterConfig,
-    workers: Vec<Arc<Worker>>,
+    workers: Vec<Arc<Engine>>,
     health: HealthMonitor,
     load: LoadPoller,
     /// Reads the filters' shared counts (the service dispatches nothing itself).
@@ -87,7 +87,7 @@ impl ServiceCore {
         TICK_MS.min(self.config.health.interval_ms).min(self.config.load.interval_ms).max(10)
     }
 
-    fn poll(&self, kind: PollKind, worker: &Worker, path: &str, timeout_ms: u64) -> PollRequest {
+    fn poll(&self, kind: PollKind, worker: &Engine, path: &str, timeout_ms: u64) -> PollRequest {
         PollRequest {
             kind,
             request: CalloutRequest {

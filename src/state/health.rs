@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::schedule::PollSchedule;
-use crate::registry::Worker;
+use crate::registry::Engine;
 
 /// What the service publishes and every filter VM reads.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,7 +27,7 @@ pub fn stale_after_ms(interval_ms: u64) -> u64 {
 }
 
 #[derive(Debug, Clone)]
-struct WorkerHealth {
+struct EngineHealth {
     id: String,
     healthy: bool,
     consecutive_ok: u32,
@@ -47,17 +47,17 @@ pub struct HealthThresholds {
 pub struct HealthMonitor {
     config: HealthThresholds,
     schedule: PollSchedule,
-    workers: Vec<WorkerHealth>,
+    workers: Vec<EngineHealth>,
 }
 
 impl HealthMonitor {
-    pub fn new(config: HealthThresholds, workers: &[std::sync::Arc<Worker>]) -> Self {
+    pub fn new(config: HealthThresholds, workers: &[std::sync::Arc<Engine>]) -> Self {
         Self {
             schedule: PollSchedule::new(config.interval_ms, workers.len()),
             config,
             workers: workers
                 .iter()
-                .map(|w| WorkerHealth { id: w.id.clone(), healthy: true, consecutive_ok: 0, consecutive_fail: 0 })
+                .map(|w| EngineHealth { id: w.id.clone(), healthy: true, consecutive_ok: 0, consecutive_fail: 0 })
                 .collect(),
         }
     }
@@ -118,8 +118,8 @@ mod tests {
     use crate::registry::EngineAddress;
     use crate::registry::Role;
 
-    fn worker(id: &str) -> Arc<Worker> {
-        Arc::new(Worker {
+    fn worker(id: &str) -> Arc<Engine> {
+        Arc::new(Engine {
             id: id.to_string(),
             model: "m".to_string(),
             role: Role::Plain,

@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::policies::{Limit, PickReason};
-use crate::registry::{Role, Worker};
+use crate::registry::{Engine, Role};
 use crate::state::schedule::Batched;
 
 pub const SELECTION_US: &str = "sgl_router_selection_us";
@@ -25,7 +25,7 @@ pub enum Counter {
     /// `sgl_router_bucket_selected_total{bucket}`.
     BucketSelected(Arc<str>),
     /// `sgl_router_picks_total{stage, worker}`.
-    Pick(Role, Arc<Worker>),
+    Pick(Role, Arc<Engine>),
     /// `sgl_router_pick_reasons_total{stage, reason}`.
     PickReason(Role, PickReason),
     /// `sgl_router_admission_rejections_total{limit}`.

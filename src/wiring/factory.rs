@@ -18,7 +18,7 @@ use crate::policies::{
     LoadBasedPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RandomSource, RoundRobinPolicy, SeededRandom,
     SessionAwarePolicy, SharedCursor, StickyPolicy,
 };
-use crate::registry::{AllAvailable, EngineAddress, Role, Worker, WorkerRegistry, DEFAULT_BOOTSTRAP_PORT};
+use crate::registry::{AllAvailable, Engine, EngineAddress, EngineRegistry, Role, DEFAULT_BOOTSTRAP_PORT};
 use crate::state::affinity_store::AffinityStore;
 use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
@@ -82,12 +82,12 @@ pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
 
 /// The registry's workers, from a validated configuration. A worker whose URL does not parse was
 /// already refused by validation, so it is skipped here rather than failing twice.
-pub fn workers(config: &RouterConfig) -> Vec<Worker> {
+pub fn workers(config: &RouterConfig) -> Vec<Engine> {
     config
         .workers
         .iter()
         .filter_map(|w| {
-            Some(Worker {
+            Some(Engine {
                 id: w.id.clone(),
                 model: w.model.clone(),
                 role: w.role,
@@ -101,8 +101,8 @@ pub fn workers(config: &RouterConfig) -> Vec<Worker> {
 }
 
 /// The registry as the service sees it: every configured worker, none taken out.
-pub fn registry(config: &RouterConfig) -> WorkerRegistry {
-    WorkerRegistry::new(workers(config), Arc::new(AllAvailable))
+pub fn registry(config: &RouterConfig) -> EngineRegistry {
+    EngineRegistry::new(workers(config), Arc::new(AllAvailable))
 }
 
 pub fn health_thresholds(config: &HealthConfig) -> HealthThresholds {

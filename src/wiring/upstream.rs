@@ -2,7 +2,7 @@
 //! definition of each, for the filter's upstream request, the PD prefill callout and the breaker.
 
 use crate::config::{UpstreamConfig, UpstreamMode};
-use crate::registry::Worker;
+use crate::registry::Engine;
 
 /// The header the router filter routes on, and what it carries for an engine.
 #[derive(Debug, Clone)]
@@ -21,7 +21,7 @@ impl UpstreamHeader {
     }
 
     /// `(header, value)`: the engine's cluster, or its `host:port` for an ORIGINAL_DST cluster.
-    pub fn for_worker(&self, worker: &Worker) -> (String, String) {
+    pub fn for_worker(&self, worker: &Engine) -> (String, String) {
         let value = match self.mode {
             UpstreamMode::ClusterHeader => worker.cluster.clone(),
             UpstreamMode::OriginalDst => worker.address.host_port(),

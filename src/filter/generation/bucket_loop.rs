@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::buckets::{BucketPick, BucketRequest, BucketResolver, ResolveError};
 use crate::filter::{ErrorKind, RouteError};
 use crate::policies::{PickError, Rejection};
-use crate::registry::LiveWorkers;
+use crate::registry::LiveEngines;
 use crate::registry::Role;
 
 /// The complete selection and the attempts that failed before it (for stats).
@@ -89,14 +89,14 @@ impl SelectionFailure {
 
 /// `bucket/stage/worker: limit`, as spec §4 lists rejections.
 fn describe(s: &SkippedBucket, r: &Rejection) -> String {
-    format!("{}/{}/{}: {}", s.bucket_id, s.stage.as_str(), r.worker, r.limit.as_str())
+    format!("{}/{}/{}: {}", s.bucket_id, s.stage.as_str(), r.engine, r.limit.as_str())
 }
 
 /// Tries each bucket the request's length fits, in order, until one supplies its complete
 /// selection. The request carries every fact selection reads, the indexer's answer among them.
 pub fn select(
     resolver: &BucketResolver,
-    live: &LiveWorkers,
+    live: &LiveEngines,
     request: &BucketRequest,
 ) -> Result<Selection, SelectionFailure> {
     let buckets = resolver
@@ -147,7 +147,7 @@ mod tests {
     use crate::buckets::{Bucket, BucketGroups, EngineGroup};
     use crate::filter::ErrorKind;
     use crate::policies::{Limit, PickError, Rejection};
-    use crate::registry::Worker;
+    use crate::registry::Engine;
     use crate::testing::{worker_with, Scripted};
 
     fn plain_bucket(id: &str, capacity: u64, policy: Arc<Scripted>) -> Bucket {
@@ -175,13 +175,13 @@ mod tests {
         }
     }
 
-    fn live(workers: Vec<Arc<Worker>>) -> LiveWorkers {
+    fn live(workers: Vec<Arc<Engine>>) -> LiveEngines {
         let mut workers = workers;
         workers.sort_by(|a, b| a.id.cmp(&b.id));
-        LiveWorkers::new(workers.into(), Arc::default())
+        LiveEngines::new(workers.into(), Arc::default())
     }
 
-    fn plain_live() -> LiveWorkers {
+    fn plain_live() -> LiveEngines {
         live(vec![worker_with("A", Role::Plain, "m")])
     }
 
@@ -189,12 +189,12 @@ mod tests {
         BucketRequest { model: "m".into(), input_tokens: input, expected_peak_tokens: peak, ..BucketRequest::default() }
     }
 
-    fn run(buckets: Vec<Bucket>, live: LiveWorkers, req: BucketRequest) -> Result<Selection, SelectionFailure> {
+    fn run(buckets: Vec<Bucket>, live: LiveEngines, req: BucketRequest) -> Result<Selection, SelectionFailure> {
         select(&BucketResolver::new(buckets), &live, &req)
     }
 
     fn rejected(worker: &str, limit: Limit) -> PickError {
-        PickError::AdmissionRejected(Rejection { worker: worker.into(), limit })
+        PickError::AdmissionRejected(Rejection { engine: worker.into(), limit })
     }
 
     #[test]
@@ -272,8 +272,8 @@ mod tests {
                     1000,
                     Scripted::failing(PickError::NoAdmissibleEngine {
                         rejections: vec![
-                            Rejection { worker: "A".into(), limit: Limit::MaxKvTokens },
-                            Rejection { worker: "B".into(), limit: Limit::MaxInflightRequests },
+                            Rejection { engine: "A".into(), limit: Limit::MaxKvTokens },
+                            Rejection { engine: "B".into(), limit: Limit::MaxInflightRequests },
                         ],
                     }),
                 ),
@@ -348,7 +348,7 @@ mod tests {
         )
         .unwrap();
         let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
-        assert_eq!((&*s.bucket_id, prefill.worker.id.as_str(), decode.worker.id.as_str()), ("long", "P2", "D2"));
+        assert_eq!((&*s.bucket_id, prefill.engine.id.as_str(), decode.engine.id.as_str()), ("long", "P2", "D2"));
     }
 
     #[derive(Debug, Clone, Copy)]
@@ -387,8 +387,8 @@ mod tests {
                 (Ok(s), Some(k)) => {
                     let BucketPick::Pd { prefill, decode } = s.pick else { panic!("not PD") };
                     prop_assert_eq!(s.bucket_id.to_string(), format!("b{k}"));
-                    prop_assert_eq!(prefill.worker.id.clone(), format!("P{k}"));
-                    prop_assert_eq!(decode.worker.id.clone(), format!("D{k}"));
+                    prop_assert_eq!(prefill.engine.id.clone(), format!("P{k}"));
+                    prop_assert_eq!(decode.engine.id.clone(), format!("D{k}"));
                     prop_assert_eq!(s.skipped.len(), k);
                 }
                 (Err(SelectionFailure::Exhausted(skipped)), None) => prop_assert_eq!(skipped.len(), outcomes.len()),

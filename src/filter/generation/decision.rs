@@ -14,7 +14,7 @@ use crate::filter::RouteError;
 use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
 use crate::protocol::indexer::IndexerAnswer;
-use crate::registry::{LiveWorkers, Worker};
+use crate::registry::{Engine, LiveEngines};
 use crate::state::prefix::{PrefixEvent, Tier};
 use crate::wiring::counters::Counter;
 use crate::wiring::upstream::UpstreamHeader;
@@ -22,20 +22,20 @@ use crate::wiring::upstream::UpstreamHeader;
 /// The engines a request goes to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
-    Plain(Arc<Worker>),
-    Pd { prefill: Arc<Worker>, decode: Arc<Worker> },
+    Plain(Arc<Engine>),
+    Pd { prefill: Arc<Engine>, decode: Arc<Engine> },
 }
 
 impl Target {
     /// The engine Envoy's router sends the request to: the plain engine, or the decode engine.
-    pub fn upstream(&self) -> &Arc<Worker> {
+    pub fn upstream(&self) -> &Arc<Engine> {
         match self {
             Target::Plain(w) | Target::Pd { decode: w, .. } => w,
         }
     }
 
     /// The engine that does the prefill work: the plain engine, or the prefill engine.
-    pub fn prefill_work(&self) -> &Arc<Worker> {
+    pub fn prefill_work(&self) -> &Arc<Engine> {
         match self {
             Target::Plain(w) | Target::Pd { prefill: w, .. } => w,
         }
@@ -120,7 +120,7 @@ pub struct Outcome {
 
 /// What a decision is made with besides the request: the wiring every request shares.
 pub struct Wiring<'a> {
-    pub live: &'a LiveWorkers,
+    pub live: &'a LiveEngines,
     pub upstream: &'a UpstreamHeader,
     pub random: &'a dyn RandomSource,
     pub prefill_timeout_ms: u64,
@@ -141,19 +141,19 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     let mut counters = metrics::selected(&selection);
     counters.extend(lookup_counter);
     let (target, pd) = match &selection.pick {
-        BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.worker)), None),
+        BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.engine)), None),
         BucketPick::Pd { prefill, decode } => {
             // Validated as a JSON object already; the rewrite is the one path that needs its tree.
             let body = ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default();
-            let (body, rooms) = bootstrap_body(body, &prefill.worker, ticket.facts.n, wiring.random);
+            let (body, rooms) = bootstrap_body(body, &prefill.engine, ticket.facts.n, wiring.random);
             let pd = PdDispatch {
-                prefill: Arc::clone(&prefill.worker),
+                prefill: Arc::clone(&prefill.engine),
                 path: ticket.endpoint.path(),
                 body,
                 rooms,
                 prefill_timeout_ms: wiring.prefill_timeout_ms,
             };
-            let target = Target::Pd { prefill: Arc::clone(&prefill.worker), decode: Arc::clone(&decode.worker) };
+            let target = Target::Pd { prefill: Arc::clone(&prefill.engine), decode: Arc::clone(&decode.engine) };
             (target, Some(pd))
         }
     };

@@ -10,13 +10,13 @@ use serde_json::{json, Map, Value};
 use crate::filter::{ErrorKind, RouteError};
 use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
-use crate::registry::{Worker, DEFAULT_BOOTSTRAP_PORT};
+use crate::registry::{Engine, DEFAULT_BOOTSTRAP_PORT};
 use crate::wiring::upstream::UpstreamAnswer;
 
 /// What the filter sends where for one PD request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PdDispatch {
-    pub prefill: Arc<Worker>,
+    pub prefill: Arc<Engine>,
     /// The endpoint's path: the prefill engine gets the same request as the decode engine.
     pub path: &'static str,
     /// The body for both the prefill callout and the decode upstream request.
@@ -119,17 +119,17 @@ enum PrefillState {
 /// that is itself not 2xx goes to the client at once.
 #[derive(Debug, Clone)]
 pub struct PdExchange {
-    prefill: Arc<Worker>,
+    prefill: Arc<Engine>,
     state: PrefillState,
     held: bool,
 }
 
 impl PdExchange {
-    pub fn new(prefill: Arc<Worker>) -> Self {
+    pub fn new(prefill: Arc<Engine>) -> Self {
         Self { prefill, state: PrefillState::Pending, held: false }
     }
 
-    pub fn prefill(&self) -> &Arc<Worker> {
+    pub fn prefill(&self) -> &Arc<Engine> {
         &self.prefill
     }
 
@@ -188,7 +188,7 @@ pub fn new_room(random: &dyn RandomSource) -> u64 {
 
 pub fn bootstrap_body(
     mut body: Map<String, Value>,
-    prefill: &Worker,
+    prefill: &Engine,
     n: u64,
     random: &dyn RandomSource,
 ) -> (Vec<u8>, Vec<u64>) {

@@ -53,7 +53,7 @@ pub fn prepare(body: &[u8], bytes_per_token: u64) -> Result<RequestFacts, RouteE
 }
 
 /// [`prepare`], also building the prompt text the prefix index matches when `want_prompt`. One
-/// pass over the body, no JSON tree: see [`ChatBody`].
+/// pass over the body, no JSON tree (see `chat_body`).
 pub fn prepare_chat(
     body: &[u8],
     bytes_per_token: u64,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::reports::{parse_get_load, parse_prometheus, parse_v1_loads, ReportError, ReportKind};
 use super::table::LoadTable;
-use crate::registry::Worker;
+use crate::registry::Engine;
 use crate::state::schedule::PollSchedule;
 
 /// The load endpoint an engine serves and how its answer reads (spec §5).
@@ -42,14 +42,14 @@ impl ReportEndpoint {
 pub struct LoadPoller {
     endpoint: Option<ReportEndpoint>,
     schedule: PollSchedule,
-    workers: Vec<Arc<Worker>>,
+    workers: Vec<Arc<Engine>>,
     table: LoadTable,
     dirty: bool,
 }
 
 impl LoadPoller {
     /// `endpoint: None` polls nothing.
-    pub fn new(endpoint: Option<ReportEndpoint>, interval_ms: u64, workers: &[Arc<Worker>]) -> Self {
+    pub fn new(endpoint: Option<ReportEndpoint>, interval_ms: u64, workers: &[Arc<Engine>]) -> Self {
         Self {
             endpoint,
             schedule: PollSchedule::new(interval_ms, workers.len()),

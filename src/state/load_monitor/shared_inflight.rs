@@ -141,7 +141,7 @@ struct Synced {
     read: Period,
 }
 
-/// This VM's side of the shared in-flight table. Worker records are indexed by the configured
+/// This VM's side of the shared in-flight table. Engine records are indexed by the configured
 /// worker order, which every VM and the service share (one configuration).
 pub struct SharedInflight {
     host: Arc<dyn Host>,

@@ -24,11 +24,11 @@ const CLUSTER_PREFIX: &str = "sgl_";
 
 #[derive(serde::Deserialize)]
 struct RouterConfig {
-    workers: Vec<Worker>,
+    workers: Vec<Engine>,
 }
 
 #[derive(serde::Deserialize)]
-struct Worker {
+struct Engine {
     id: String,
 }
 

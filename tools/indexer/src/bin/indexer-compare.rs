@@ -55,7 +55,7 @@ struct Args {
     shared_prefix: bool,
 }
 
-/// Worker ids are 1-based integers, as Dynamo's `--workers` takes them.
+/// Engine ids are 1-based integers, as Dynamo's `--workers` takes them.
 fn worker(e: u32) -> String {
     (e + 1).to_string()
 }
