@@ -74,8 +74,8 @@ pub struct LocalCacheSource {
 #[derive(Debug)]
 struct Replica {
     log: PrefixReplica,
-    /// When the log's head was last looked at. Looking is a shared-data read (~1.7 µs of Envoy's
-    /// CPU): a VM that was idle when a request came looks on every lookup, so a conversation's
+    /// When the log's head was last looked at. Looking is a shared-data read, which copies into the
+    /// VM: a VM that was idle when a request came looks on every lookup, so a conversation's
     /// next turn finds what its last turn recorded; a busy one at most once per period, as its own
     /// events reach the service (`PrefixOutbox`).
     looked: Period,
@@ -188,9 +188,8 @@ struct Holder {
 
 /// Prefill the router causes costs more than the wait of the request that brings it: the requests
 /// queued behind it on that engine wait too, and a prefix prefilled again elsewhere takes cache
-/// space twice. Counted this many times over (on the tail bench, docs/benchmarks.md: 1 kept hit
-/// rates 1.6 points below sglang-router's, 8 within 1 point with p99 below 0.6× its, 16 matched
-/// its hit rate with p99 at 0.73–0.80× its).
+/// space twice. Counted this many times over: the trade between hit rate and tail latency chosen on
+/// the tail bench (docs/benchmarks.md, "The tail").
 const UNCACHED_WEIGHT: f64 = 8.0;
 
 /// Waits that differ by less than this are treated as equal, so request counts and then the
@@ -403,8 +402,8 @@ impl CacheAwarePolicy {
             }
         };
         // The wait guard: a holder loses preference when the request would cost more there than at
-        // the fallback's engine prefilling all of it, by more than the switch margin (README,
-        // "Design deviations").
+        // the fallback's engine prefilling all of it, by more than the switch margin
+        // (docs/architecture.md, "Design deviations").
         let cold = self.fallback_engine(engines, &snapshot);
         let limit_ms = cold.map(|w| self.cost_ms(&snapshot, w, input) + self.margin_ms());
         usable.retain(|h| {

@@ -11,7 +11,7 @@ use crate::state::load_monitor::{EngineLoad, LocalLoad};
 pub const PREFILL_QUANTUM_TOKENS: u64 = 256;
 
 /// Uncached prompt tokens waiting at an engine: what it reports, else the router's own estimate
-/// of what it sent and the engine has not yet prefilled (README, "Design deviations").
+/// of what it sent and the engine has not yet prefilled (docs/architecture.md, "Design deviations").
 pub fn pending_prefill(load: Option<&EngineLoad>, local: &LocalLoad) -> u64 {
     load.and_then(|l| l.waiting_uncached_tokens).unwrap_or(local.pending_prefill_tokens)
 }

@@ -82,7 +82,7 @@ impl std::hash::Hash for Counter {
     }
 }
 
-/// Counter bumps a filter VM holds back: each bump is a host call into Envoy (~0.5 µs of its CPU,
+/// Counter bumps a filter VM holds back: each bump is a host call into Envoy (priced by
 /// `scripts/bench --only hostcalls`) and a routed request makes four. They go to the glue on the
 /// [`Batched`] rule with the VM's other exchanges, so Envoy's stats lag a busy VM by at most one
 /// sync period and an idle one not at all.

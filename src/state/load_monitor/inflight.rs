@@ -1,7 +1,7 @@
 //! Router-local accounting of what was sent to each engine (design §6): requests in flight, a
 //! cumulative dispatch counter for correcting reports by what was sent since, and the uncached
 //! prompt tokens still to prefill — the same correction in tokens, for engines that do not report
-//! their prefill queue (a documented deviation: README, "Design deviations").
+//! their prefill queue (a documented deviation: docs/architecture.md, "Design deviations").
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -6,8 +6,8 @@
 //! so nothing needs cas.
 //!
 //! A VM syncs from its request path (as a request arrives, after it is dispatched, when it ends)
-//! at most every [`SYNC_MS`], and on its heartbeat tick: a tick into wasm costs Envoy ~0.1 ms of
-//! CPU even when it does nothing, so a fast tick would cost more than the exchange it carries. The
+//! at most every [`SYNC_MS`], and on its heartbeat tick: a tick into wasm costs Envoy CPU even when it
+//! does nothing, so a fast tick would cost more than the exchange it carries. The
 //! bound, stated: a VM sees its own dispatches at once; a change of another VM's is published at
 //! that VM's next request event at least [`SYNC_MS`] after its last publication (at once when its
 //! requests are further apart, and when its last request in flight ends), or by its next heartbeat

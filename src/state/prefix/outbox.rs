@@ -1,6 +1,6 @@
 //! A filter VM's prefix events on their way to the service. Every queue message wakes the service
-//! on Envoy's main thread: one message per routed request cost the main thread ~10 µs per request
-//! at saturation. So a busy VM holds its events and sends them as one message at most every
+//! on Envoy's main thread, and one message per routed request kept that thread busy at saturation
+//! (docs/results/history.md, the hot path's third round). So a busy VM holds its events and sends them as one message at most every
 //! period; a VM with nothing else in flight sends at once, so a conversation's next turn never
 //! waits on a batch. The bound, stated: an event reaches the service queue when its VM next syncs
 //! (a request arriving, dispatched or ending) at least one period after the last message, when the

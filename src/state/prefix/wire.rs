@@ -1,7 +1,7 @@
 //! The binary form of what the service and the filter VMs exchange about prefixes: queue messages,
 //! log batches and the snapshot. MessagePack through serde, structs as arrays, prompt bytes as
 //! binary. Both ends are the same module, so the form needs no field names; JSON cost a pass of
-//! escaping per copy and spelled each edge byte of the snapshot as a number (~3.8× the tree).
+//! escaping per copy and spelled each edge byte of the snapshot as a number, several times the tree.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
