@@ -97,7 +97,10 @@ fn main() {
             ),
             (
                 "round_robin (shared-data cursor)",
-                Box::new(RoundRobinPolicy::new(Box::new(SharedCursor::new(host, "m/b/plain")), gate.clone())),
+                Box::new(RoundRobinPolicy::new(
+                    Box::new(SharedCursor::new(host, "m/b/plain", Arc::default())),
+                    gate.clone(),
+                )),
             ),
             ("random", Box::new(RandomPolicy::new(Arc::new(SeededRandom::new(1)), gate.clone()))),
             ("power_of_two", Box::new(PowerOfTwoPolicy::new(Arc::new(SeededRandom::new(1)), gate.clone()))),

@@ -3,12 +3,13 @@
 //! data. The rotated-to engine is checked once; a rejection ends the attempt.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::admission::AdmissionGate;
 use super::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::host::Host;
 use crate::registry::Engine;
+use crate::state::vm_registry::Solitude;
 use crate::state::{keys, shared};
 
 /// The policy instance's position; each call returns the next ticket.
@@ -16,15 +17,30 @@ pub trait RoundRobinCursor: Send + Sync + std::fmt::Debug {
     fn next_ticket(&self) -> u64;
 }
 
-/// A cursor in shared data, advanced with cas by every VM.
+/// A cursor in shared data, advanced with cas by every VM, so the rotation is exact across worker
+/// threads. While this VM is the only filter VM ([`Solitude`]) it advances a copy in memory
+/// instead, which costs no host call, and hands its position back to shared data as soon as a
+/// heartbeat finds another VM, so the others continue after it. The bound, stated: a VM that
+/// starts while another counts itself alone (a crashed VM's replacement) shares the rotation
+/// inexactly until the other's next heartbeat (within
+/// [`HEARTBEAT_MS`](crate::state::vm_registry::HEARTBEAT_MS)).
 pub struct SharedCursor {
     host: Arc<dyn Host>,
     key: String,
+    solitude: Arc<Solitude>,
+    /// The next ticket, while this VM advances the cursor alone.
+    local: Mutex<Option<u64>>,
 }
 
 impl SharedCursor {
-    pub fn new(host: Arc<dyn Host>, instance: &str) -> Self {
-        Self { host, key: keys::round_robin_cursor(instance) }
+    pub fn new(host: Arc<dyn Host>, instance: &str, solitude: Arc<Solitude>) -> Self {
+        Self { host, key: keys::round_robin_cursor(instance), solitude, local: Mutex::new(None) }
+    }
+
+    fn shared_ticket(&self) -> u64 {
+        // Past the cas retry bound, a random ticket keeps traffic spread instead of piling onto
+        // the first candidate.
+        shared::fetch_add(self.host.as_ref(), &self.key, 1).unwrap_or_else(|_| self.host.random_u64())
     }
 }
 
@@ -36,9 +52,33 @@ impl std::fmt::Debug for SharedCursor {
 
 impl RoundRobinCursor for SharedCursor {
     fn next_ticket(&self) -> u64 {
-        // Past the cas retry bound, a random ticket keeps traffic spread instead of piling onto
-        // the first candidate.
-        shared::fetch_add(self.host.as_ref(), &self.key, 1).unwrap_or_else(|_| self.host.random_u64())
+        let Ok(mut local) = self.local.lock() else { return self.shared_ticket() };
+        match (self.solitude.alone(), *local) {
+            (true, Some(next)) => {
+                *local = Some(next.wrapping_add(1));
+                next
+            }
+            (true, None) => {
+                // Alone from now: take the shared position once.
+                let next =
+                    shared::fetch_add(self.host.as_ref(), &self.key, 1).unwrap_or_else(|_| self.host.random_u64());
+                *local = Some(next.wrapping_add(1));
+                next
+            }
+            (false, Some(next)) => {
+                // No longer alone: the shared cursor continues from where this VM got to.
+                let handed = shared::update(self.host.as_ref(), &self.key, &0u64.to_le_bytes(), |bytes| {
+                    let shared = shared::decode_u64(bytes).unwrap_or(0);
+                    (shared.max(next).to_le_bytes().to_vec(), ())
+                });
+                if let Err(e) = handed {
+                    log::warn!("round-robin position not handed back: {e}");
+                }
+                *local = None;
+                self.shared_ticket()
+            }
+            (false, None) => self.shared_ticket(),
+        }
     }
 }
 
@@ -97,21 +137,46 @@ mod tests {
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
         let s = State::new();
         let vm1 = RoundRobinPolicy::new(
-            Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain")),
+            Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain", Arc::default())),
             s.gate(AdmissionLimits::default()),
         );
         let vm2 = RoundRobinPolicy::new(
-            Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain")),
+            Box::new(SharedCursor::new(Arc::clone(&host), "m/b/plain", Arc::default())),
             s.gate(AdmissionLimits::default()),
         );
-        let other =
-            RoundRobinPolicy::new(Box::new(SharedCursor::new(host, "m/b2/plain")), s.gate(AdmissionLimits::default()));
+        let other = RoundRobinPolicy::new(
+            Box::new(SharedCursor::new(host, "m/b2/plain", Arc::default())),
+            s.gate(AdmissionLimits::default()),
+        );
         let ws = workers(&["A", "B"]);
         let r = request(Role::Plain);
         assert_eq!(vm1.pick(&ws, &r).unwrap().engine.id, "A");
         assert_eq!(vm2.pick(&ws, &r).unwrap().engine.id, "B");
         assert_eq!(other.pick(&ws, &r).unwrap().engine.id, "A", "another instance has its own cursor");
         assert_eq!(vm1.pick(&ws, &r).unwrap().engine.id, "A");
+    }
+
+    /// Alone, a VM advances its cursor in memory; when another VM appears it hands its position
+    /// back, and the rotation goes on exactly where it was.
+    #[test]
+    fn a_vm_alone_rotates_in_memory_and_hands_its_position_back() {
+        use crate::state::vm_registry::{heartbeat, Solitude};
+        let host = Arc::new(MemoryHost::default());
+        let solitude = Arc::new(Solitude::default());
+        for now in [0, 1_000] {
+            solitude.observe(heartbeat(host.as_ref(), 1, now).unwrap());
+        }
+        let key = keys::round_robin_cursor("m/b/plain");
+        let cursor = SharedCursor::new(Arc::clone(&host) as Arc<dyn Host>, "m/b/plain", Arc::clone(&solitude));
+        let tickets: Vec<u64> = (0..5).map(|_| cursor.next_ticket()).collect();
+        assert_eq!(tickets, [0, 1, 2, 3, 4]);
+        assert_eq!(shared::read_u64(host.as_ref(), &key).unwrap(), Some(1), "one shared write, when it became alone");
+        heartbeat(host.as_ref(), 2, 1_500).unwrap();
+        solitude.observe(heartbeat(host.as_ref(), 1, 2_000).unwrap());
+        let other = SharedCursor::new(Arc::clone(&host) as Arc<dyn Host>, "m/b/plain", Arc::default());
+        assert_eq!(cursor.next_ticket(), 5, "the position went back to shared data first");
+        assert_eq!(other.next_ticket(), 6);
+        assert_eq!(cursor.next_ticket(), 7);
     }
 
     #[test]

@@ -62,7 +62,12 @@ impl Root {
     fn heartbeat(&mut self) {
         if let Some(vm) = self.vm {
             match vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
-                Ok(slot) => self.slot = slot,
+                Ok(heartbeat) => {
+                    self.slot = heartbeat.slot;
+                    if let Some(app) = &self.filter {
+                        app.borrow().handles().solitude.observe(heartbeat);
+                    }
+                }
                 Err(e) => log::warn!("heartbeat not written: {e}"),
             }
         }

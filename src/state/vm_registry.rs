@@ -50,8 +50,16 @@ fn encode(entries: &[Entry]) -> Vec<u8> {
     HEADER.into_iter().chain(body).collect()
 }
 
-/// Records that `vm` is alive; returns its gauge slot (`None` when every slot is taken).
-pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<Option<u64>, HostError> {
+/// What a heartbeat learned: this VM's gauge slot (`None` when every slot is taken) and how many
+/// filter VMs are alive, itself included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heartbeat {
+    pub slot: Option<u64>,
+    pub live: usize,
+}
+
+/// Records that `vm` is alive.
+pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<Heartbeat, HostError> {
     update(host, keys::VMS, &HEADER, |bytes| {
         let mut entries = decode(bytes);
         let slot = match entries.iter_mut().find(|e| e.vm == vm) {
@@ -65,8 +73,30 @@ pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<Option<u64>, H
                 slot
             }
         };
-        (encode(&entries), (slot < VM_SLOTS).then_some(slot))
+        let live = entries.iter().filter(|e| now_ms.saturating_sub(e.seen_ms) <= DEAD_AFTER_MS).count();
+        (encode(&entries), Heartbeat { slot: (slot < VM_SLOTS).then_some(slot), live })
     })
+}
+
+/// Whether this VM is the only filter VM, as its heartbeats see it. A VM counts as alone only after
+/// two heartbeats in a row found no other (Envoy starts its worker VMs together, so a second one
+/// has heartbeated by then); one heartbeat that finds another ends it at once.
+#[derive(Debug, Default)]
+pub struct Solitude {
+    heartbeats_alone: std::sync::atomic::AtomicU8,
+}
+
+impl Solitude {
+    pub fn observe(&self, heartbeat: Heartbeat) {
+        use std::sync::atomic::Ordering;
+        let streak =
+            if heartbeat.live <= 1 { self.heartbeats_alone.load(Ordering::Relaxed).saturating_add(1) } else { 0 };
+        self.heartbeats_alone.store(streak, Ordering::Relaxed);
+    }
+
+    pub fn alone(&self) -> bool {
+        self.heartbeats_alone.load(std::sync::atomic::Ordering::Relaxed) >= 2
+    }
 }
 
 /// Removes VMs silent for [`DEAD_AFTER_MS`] (their slots free) and returns their ids.
@@ -104,19 +134,38 @@ mod tests {
     #[test]
     fn a_crash_loop_reuses_gauge_slots() {
         let host = MemoryHost::default();
-        assert_eq!(heartbeat(&host, 7, 0).unwrap(), Some(0));
+        assert_eq!(heartbeat(&host, 7, 0).unwrap().slot, Some(0));
         let mut slots = std::collections::HashSet::new();
         for vm in 100..1_100u64 {
             let now = vm * 20_000;
-            slots.insert(heartbeat(&host, vm, now).unwrap());
+            slots.insert(heartbeat(&host, vm, now).unwrap().slot);
             heartbeat(&host, 7, now).unwrap();
             sweep(&host, now + DEAD_AFTER_MS + 1).unwrap();
-            assert_eq!(heartbeat(&host, 7, now + DEAD_AFTER_MS + 1).unwrap(), Some(0), "a live VM keeps its slot");
+            assert_eq!(heartbeat(&host, 7, now + DEAD_AFTER_MS + 1).unwrap().slot, Some(0), "a live VM keeps its slot");
         }
         assert_eq!(slots.into_iter().collect::<Vec<_>>(), [Some(1)]);
         for vm in 0..VM_SLOTS {
             heartbeat(&host, 10_000 + vm, 0).unwrap();
         }
-        assert_eq!(heartbeat(&host, 99_999, 0).unwrap(), None, "every slot taken: no per-VM gauges");
+        assert_eq!(heartbeat(&host, 99_999, 0).unwrap().slot, None, "every slot taken: no per-VM gauges");
+    }
+
+    #[test]
+    fn a_vm_is_alone_after_two_heartbeats_that_found_no_other_and_not_after_one_that_did() {
+        let host = MemoryHost::default();
+        let solitude = Solitude::default();
+        solitude.observe(heartbeat(&host, 1, 0).unwrap());
+        assert!(!solitude.alone(), "one heartbeat is not enough: a second VM may be starting");
+        solitude.observe(heartbeat(&host, 1, 1_000).unwrap());
+        assert!(solitude.alone());
+        heartbeat(&host, 2, 1_500).unwrap();
+        solitude.observe(heartbeat(&host, 1, 2_000).unwrap());
+        assert!(!solitude.alone(), "another VM heartbeated: at once not alone");
+        // The other stops; it counts as alive until DEAD_AFTER_MS.
+        solitude.observe(heartbeat(&host, 1, 2_000 + DEAD_AFTER_MS).unwrap());
+        assert!(!solitude.alone());
+        solitude.observe(heartbeat(&host, 1, 3_000 + DEAD_AFTER_MS).unwrap());
+        solitude.observe(heartbeat(&host, 1, 4_000 + DEAD_AFTER_MS).unwrap());
+        assert!(solitude.alone());
     }
 }

@@ -24,6 +24,7 @@ use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
 use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView, SYNC_MS};
 use crate::state::prefix::{Budgets, PrefixOutbox, PrefixReplica};
+use crate::state::vm_registry::Solitude;
 use crate::wiring::counters::HeldCounters;
 
 /// The application's shared state, handed to every policy that needs part of it.
@@ -34,7 +35,6 @@ pub struct StateHandles {
     pub load: Arc<dyn LoadView>,
     pub inflight: Arc<dyn InflightTable>,
     pub random: Arc<dyn RandomSource>,
-    /// For policies that await a remote answer.
     /// Session and routing-key bindings.
     pub affinity: Arc<AffinityStore>,
     /// The prefix index `source: local` cache-aware policies read.
@@ -47,6 +47,8 @@ pub struct StateHandles {
     pub outbox: Arc<PrefixOutbox>,
     /// This VM's counter bumps, held for Envoy's stats.
     pub counters: Arc<HeldCounters>,
+    /// Whether this VM is the only filter VM, as its heartbeats find (round-robin cursors read it).
+    pub solitude: Arc<Solitude>,
 }
 
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
@@ -72,6 +74,7 @@ pub fn filter_handles(config: &RouterConfig, host: Arc<dyn Host>, vm: u64) -> (S
         // As often as in-flight counts are exchanged: tables are as fresh as the counts beside them.
         tables_recheck_ms: SYNC_MS,
         outbox: Arc::new(PrefixOutbox::new(Arc::clone(&host), SYNC_MS)),
+        solitude: Arc::default(),
         counters: Arc::new(HeldCounters::new(SYNC_MS)),
         host,
     };
@@ -198,7 +201,11 @@ fn fallback_policy(kind: StickyFallback, instance: &str, handles: &StateHandles)
     };
     match kind {
         StickyFallback::RoundRobin => Box::new(RoundRobinPolicy::new(
-            Box::new(SharedCursor::new(Arc::clone(&handles.host), &format!("{instance}/fallback"))),
+            Box::new(SharedCursor::new(
+                Arc::clone(&handles.host),
+                &format!("{instance}/fallback"),
+                Arc::clone(&handles.solitude),
+            )),
             gate,
         )),
         StickyFallback::Random => Box::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
@@ -216,9 +223,10 @@ fn build_policy(site: &GroupSite<'_>, config: &PolicyConfig, handles: &StateHand
         inflight: Arc::clone(&handles.inflight),
     };
     match config {
-        PolicyConfig::RoundRobin(_) => {
-            Arc::new(RoundRobinPolicy::new(Box::new(SharedCursor::new(Arc::clone(&handles.host), instance)), gate))
-        }
+        PolicyConfig::RoundRobin(_) => Arc::new(RoundRobinPolicy::new(
+            Box::new(SharedCursor::new(Arc::clone(&handles.host), instance, Arc::clone(&handles.solitude))),
+            gate,
+        )),
         PolicyConfig::Random(_) => Arc::new(RandomPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::PowerOfTwo(_) => Arc::new(PowerOfTwoPolicy::new(Arc::clone(&handles.random), gate)),
         PolicyConfig::LoadBased(_) => Arc::new(LoadBasedPolicy::new(gate)),
