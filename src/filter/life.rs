@@ -360,7 +360,7 @@ impl RequestLife {
     }
 
     fn apply(&mut self, app: &AppContext, held: Held, mut decision: Decision, out: &mut Actions) {
-        let (name, value) = decision.upstream_header.clone();
+        let (name, value) = mem::take(&mut decision.upstream_header);
         out.push(Action::SetRequestHeader(name, value));
         out.push(Action::ClearRouteCache);
         let Some(pd) = decision.pd.as_mut() else {

@@ -18,16 +18,33 @@ pub struct Filter {
     app: Rc<RefCell<AppContext>>,
     stats: Rc<Stats>,
     life: RequestLife,
+    /// Every hook's actions, in one buffer kept for the stream: a streamed response's chunks
+    /// allocate nothing.
+    actions: Actions,
 }
 
 impl Filter {
     pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>, vm: u64) -> Self {
         let vm_header = app.borrow().vm_header(vm);
-        Self { app, stats, life: RequestLife::new(vm_header) }
+        Self { app, stats, life: RequestLife::new(vm_header), actions: Vec::new() }
     }
 
-    /// Carries out `actions` in order; whether the stream may go on.
+    /// The buffer for one hook's actions.
+    fn take_actions(&mut self) -> Actions {
+        let mut actions = std::mem::take(&mut self.actions);
+        actions.clear();
+        actions
+    }
+
+    /// Carries out `actions` in order and keeps the buffer; whether the stream may go on.
     fn carry_out(&mut self, mut actions: Actions) -> bool {
+        let proceed = self.carry_out_each(&mut actions);
+        actions.clear();
+        self.actions = actions;
+        proceed
+    }
+
+    fn carry_out_each(&mut self, actions: &mut Actions) -> bool {
         let mut proceed = false;
         let mut i = 0;
         while i < actions.len() {
@@ -81,7 +98,7 @@ impl Context for Filter {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let _clock = ClockScope::enter();
         let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok());
-        let mut actions = Vec::new();
+        let mut actions = self.take_actions();
         let mut read = || read_buffer(BufferType::HttpCallResponseBody, body_size);
         self.life.on_callout_answer(&self.app.borrow(), token, status, &mut read, &mut actions);
         if self.carry_out(actions) {
@@ -94,14 +111,14 @@ impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Flow {
         // The whole map in one host call: each header read alone is a copy into the VM of its own.
         let headers = self.get_http_request_headers_bytes();
-        let mut actions = Vec::new();
+        let mut actions = self.take_actions();
         self.life.on_request_headers(&self.app.borrow(), headers, end_of_stream, &mut actions);
         Self::flow(self.carry_out(actions))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Flow {
         let _clock = ClockScope::enter();
-        let mut actions = Vec::new();
+        let mut actions = self.take_actions();
         let mut read = |size| read_buffer(BufferType::HttpRequestBody, size);
         self.life.on_request_body(&self.app.borrow(), body_size, end_of_stream, &mut read, &mut actions);
         Self::flow(self.carry_out(actions))
@@ -110,20 +127,20 @@ impl HttpContext for Filter {
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Flow {
         let _clock = ClockScope::enter();
         let status = self.get_http_response_header(":status").and_then(|s| s.parse().ok());
-        let mut actions = Vec::new();
+        let mut actions = self.take_actions();
         self.life.on_response_headers(&self.app.borrow(), status, &mut actions);
         Self::flow(self.carry_out(actions))
     }
 
     fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Flow {
-        let mut actions = Vec::new();
+        let mut actions = self.take_actions();
         self.life.on_response_body(&mut actions);
         Self::flow(self.carry_out(actions))
     }
 
     fn on_log(&mut self) {
         let _clock = ClockScope::enter();
-        let mut actions = Vec::new();
+        let mut actions = self.take_actions();
         self.life.on_end(&self.app.borrow(), &mut actions);
         self.carry_out(actions);
     }
