@@ -1,6 +1,7 @@
-//! Wiring shared by both roots: the validated configuration, the registry, each model's resolver
-//! and the state handles; the entry point that turns a chat body into a pending selection; and the
-//! hooks that tell shared state what was dispatched and how it went.
+//! What a filter VM's requests share: the validated configuration, the registry, each model's
+//! resolver and the state handles; `prepare` (a body to a [`Ticket`]) and `decide` (a ticket to a
+//! decision), which a request's life calls; and the hooks that tell shared state what was
+//! dispatched and how it went.
 
 use std::collections::HashSet;
 use std::sync::Arc;

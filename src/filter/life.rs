@@ -574,6 +574,22 @@ mod tests {
         assert_eq!(inflight(&app, "A"), 0, "released at the stream's end");
     }
 
+    /// The client leaves before its body is complete: nothing was chosen, nothing is held.
+    #[test]
+    fn a_client_gone_while_the_body_buffers_leaves_nothing_behind() {
+        let app = plain_app();
+        let mut life = RequestLife::default();
+        let mut out = Vec::new();
+        life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), false, &mut out);
+        life.on_request_body(&app, 10, false, &mut |_| unreachable!(), &mut out);
+        life.on_end(&app, &mut out);
+        out.clear();
+        life.on_request_body(&app, 20, true, &mut |_| unreachable!("ended: never read"), &mut out);
+        life.on_response_headers(&app, None, &mut out);
+        assert_eq!(visible(&mut out), [Action::Proceed, Action::Proceed]);
+        assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (0, 0));
+    }
+
     #[test]
     fn routes_the_filter_answers_itself_and_what_it_passes_through() {
         let app = plain_app();
