@@ -633,8 +633,9 @@ pub(crate) mod defaults {
         2
     }
     /// Sized for a sidecar: 2M tokens of distinct prefix per model covers the KV caches of a few
-    /// engines (a 70–80 GB engine holds a few hundred thousand tokens), and each copy of the tree
-    /// (the service's, one per Envoy worker thread, the main thread's) costs ~55 MiB at this size.
+    /// engines (a 70–80 GB engine holds a few hundred thousand tokens), and every VM holds a copy
+    /// of the tree (the service's, one per Envoy worker thread, the main thread's): what a copy
+    /// costs is measured in docs/configuration.md, "Memory".
     pub fn max_tree_tokens() -> u64 {
         1 << 21
     }
