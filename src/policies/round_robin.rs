@@ -18,11 +18,13 @@ pub trait RoundRobinCursor: Send + Sync + std::fmt::Debug {
 }
 
 /// A cursor in shared data, advanced with cas by every VM, so the rotation is exact across worker
-/// threads. While this VM is the only filter VM ([`Solitude`]) it advances a copy in memory
+/// threads. While this VM is the only filter VM serving requests ([`Solitude`]) it advances a copy
+/// in memory
 /// instead, which costs no host call, and hands its position back to shared data as soon as a
 /// heartbeat finds another VM, so the others continue after it. The bound, stated: a VM that
-/// starts while another counts itself alone (a crashed VM's replacement) shares the rotation
-/// inexactly until the other's next heartbeat (within
+/// serves its first request while another counts itself alone (a second worker thread's first
+/// request, a crashed VM's replacement) shares the rotation inexactly until the other's next
+/// heartbeat (within
 /// [`HEARTBEAT_MS`](crate::state::vm_registry::HEARTBEAT_MS)).
 pub struct SharedCursor {
     host: Arc<dyn Host>,
@@ -164,15 +166,15 @@ mod tests {
         let host = Arc::new(MemoryHost::default());
         let solitude = Arc::new(Solitude::default());
         for now in [0, 1_000] {
-            solitude.observe(heartbeat(host.as_ref(), 1, now).unwrap());
+            solitude.observe(heartbeat(host.as_ref(), 1, now, true).unwrap());
         }
         let key = keys::round_robin_cursor("m/b/plain");
         let cursor = SharedCursor::new(Arc::clone(&host) as Arc<dyn Host>, "m/b/plain", Arc::clone(&solitude));
         let tickets: Vec<u64> = (0..5).map(|_| cursor.next_ticket()).collect();
         assert_eq!(tickets, [0, 1, 2, 3, 4]);
         assert_eq!(shared::read_u64(host.as_ref(), &key).unwrap(), Some(1), "one shared write, when it became alone");
-        heartbeat(host.as_ref(), 2, 1_500).unwrap();
-        solitude.observe(heartbeat(host.as_ref(), 1, 2_000).unwrap());
+        heartbeat(host.as_ref(), 2, 1_500, true).unwrap();
+        solitude.observe(heartbeat(host.as_ref(), 1, 2_000, true).unwrap());
         let other = SharedCursor::new(Arc::clone(&host) as Arc<dyn Host>, "m/b/plain", Arc::default());
         assert_eq!(cursor.next_ticket(), 5, "the position went back to shared data first");
         assert_eq!(other.next_ticket(), 6);

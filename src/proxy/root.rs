@@ -1,6 +1,6 @@
 //! The root context of both plugins. Which one it is comes from the `plugin_root_id` property.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -30,7 +30,9 @@ pub struct Root {
     /// This filter VM's identity for its in-flight shares; kept across `on_configure` calls.
     vm: Option<u64>,
     /// This VM's label on its own gauges, from its heartbeat (see `vm_registry::VM_SLOTS`).
-    slot: Option<u64>,
+    slot: Cell<Option<u64>>,
+    /// Whether this VM has served a request (the main thread's filter VM never does).
+    serving: Cell<bool>,
     /// This VM's replica of the prefix index.
     prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
@@ -51,7 +53,7 @@ impl Root {
         let Some(prefixes) = &self.prefixes else { return };
         prefixes.refresh();
         // Labelled by the VM's slot, not its id: see `vm_registry::VM_SLOTS`.
-        let Some(slot) = self.slot else { return };
+        let Some(slot) = self.slot.get() else { return };
         let names = ["version", "bytes", "resyncs", "stalls"];
         for (name, value) in names.into_iter().zip(prefixes.replica_status()) {
             self.stats.gauge(&format!("sgl_router_prefix_replica_{name}.vm.{slot}"), value);
@@ -59,11 +61,11 @@ impl Root {
     }
 
     /// Tells the service this VM is alive, so its in-flight shares are kept.
-    fn heartbeat(&mut self) {
+    fn heartbeat(&self) {
         if let Some(vm) = self.vm {
-            match vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms()) {
+            match vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms(), self.serving.get()) {
                 Ok(heartbeat) => {
-                    self.slot = heartbeat.slot;
+                    self.slot.set(heartbeat.slot);
                     if let Some(app) = &self.filter {
                         app.borrow().handles().solitude.observe(heartbeat);
                     }
@@ -147,6 +149,10 @@ impl RootContext for Root {
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         let app = self.filter.as_ref()?;
+        if !self.serving.replace(true) {
+            // The other VMs learn at their next heartbeat that this one serves too.
+            self.heartbeat();
+        }
         Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats), self.vm.unwrap_or(0))))
     }
 

@@ -18,15 +18,17 @@ pub const HEARTBEAT_MS: u64 = 1_000;
 pub const VM_SLOTS: u64 = 64;
 
 /// Leads every value: shared data reads an empty value as absent, so an empty list needs a header.
-const HEADER: [u8; 8] = *b"sglvms02";
-const ENTRY: usize = 24;
+const HEADER: [u8; 8] = *b"sglvms03";
+const ENTRY: usize = 32;
 
-/// One live VM: its id, when it last heartbeated, its gauge slot ([`VM_SLOTS`] = none).
+/// One live VM: its id, when it last heartbeated, its gauge slot ([`VM_SLOTS`] = none), and
+/// whether it has served a request (Envoy's main thread runs a filter VM too, which never does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     vm: u64,
     seen_ms: u64,
     slot: u64,
+    serving: bool,
 }
 
 fn decode(bytes: &[u8]) -> Vec<Entry> {
@@ -37,7 +39,8 @@ fn decode(bytes: &[u8]) -> Vec<Entry> {
             Some(Entry {
                 vm: decode_u64(c.get(..8)?)?,
                 seen_ms: decode_u64(c.get(8..16)?)?,
-                slot: decode_u64(c.get(16..)?)?,
+                slot: decode_u64(c.get(16..24)?)?,
+                serving: decode_u64(c.get(24..)?)? != 0,
             })
         })
         .collect()
@@ -46,41 +49,43 @@ fn decode(bytes: &[u8]) -> Vec<Entry> {
 fn encode(entries: &[Entry]) -> Vec<u8> {
     let body = entries
         .iter()
-        .flat_map(|e| e.vm.to_le_bytes().into_iter().chain(e.seen_ms.to_le_bytes()).chain(e.slot.to_le_bytes()));
+        .flat_map(|e| [e.vm, e.seen_ms, e.slot, u64::from(e.serving)].into_iter().flat_map(u64::to_le_bytes));
     HEADER.into_iter().chain(body).collect()
 }
 
 /// What a heartbeat learned: this VM's gauge slot (`None` when every slot is taken) and how many
-/// filter VMs are alive, itself included.
+/// live filter VMs have served requests, itself included once it has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Heartbeat {
     pub slot: Option<u64>,
-    pub live: usize,
+    pub serving: usize,
 }
 
-/// Records that `vm` is alive.
-pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64) -> Result<Heartbeat, HostError> {
+/// Records that `vm` is alive, and that it serves requests once `serving` (it stays so).
+pub fn heartbeat(host: &dyn Host, vm: u64, now_ms: u64, serving: bool) -> Result<Heartbeat, HostError> {
     update(host, keys::VMS, &HEADER, |bytes| {
         let mut entries = decode(bytes);
         let slot = match entries.iter_mut().find(|e| e.vm == vm) {
             Some(entry) => {
                 entry.seen_ms = now_ms;
+                entry.serving |= serving;
                 entry.slot
             }
             None => {
                 let slot = (0..VM_SLOTS).find(|s| entries.iter().all(|e| e.slot != *s)).unwrap_or(VM_SLOTS);
-                entries.push(Entry { vm, seen_ms: now_ms, slot });
+                entries.push(Entry { vm, seen_ms: now_ms, slot, serving });
                 slot
             }
         };
-        let live = entries.iter().filter(|e| now_ms.saturating_sub(e.seen_ms) <= DEAD_AFTER_MS).count();
-        (encode(&entries), Heartbeat { slot: (slot < VM_SLOTS).then_some(slot), live })
+        let serving = entries.iter().filter(|e| e.serving && now_ms.saturating_sub(e.seen_ms) <= DEAD_AFTER_MS).count();
+        (encode(&entries), Heartbeat { slot: (slot < VM_SLOTS).then_some(slot), serving })
     })
 }
 
-/// Whether this VM is the only filter VM, as its heartbeats see it. A VM counts as alone only after
-/// two heartbeats in a row found no other (Envoy starts its worker VMs together, so a second one
-/// has heartbeated by then); one heartbeat that finds another ends it at once.
+/// Whether this VM is the only filter VM serving requests, as its heartbeats see it. A VM counts as
+/// alone only after two heartbeats in a row found no other serving VM; one heartbeat that finds
+/// another ends it at once. A VM heartbeats as soon as it serves its first request, so the others
+/// learn of it at their next heartbeat.
 #[derive(Debug, Default)]
 pub struct Solitude {
     heartbeats_alone: std::sync::atomic::AtomicU8,
@@ -90,7 +95,7 @@ impl Solitude {
     pub fn observe(&self, heartbeat: Heartbeat) {
         use std::sync::atomic::Ordering;
         let streak =
-            if heartbeat.live <= 1 { self.heartbeats_alone.load(Ordering::Relaxed).saturating_add(1) } else { 0 };
+            if heartbeat.serving <= 1 { self.heartbeats_alone.load(Ordering::Relaxed).saturating_add(1) } else { 0 };
         self.heartbeats_alone.store(streak, Ordering::Relaxed);
     }
 
@@ -121,9 +126,9 @@ mod tests {
     #[test]
     fn silent_vms_are_swept_and_live_ones_kept() {
         let host = MemoryHost::default();
-        heartbeat(&host, 1, 0).unwrap();
-        heartbeat(&host, 2, 0).unwrap();
-        heartbeat(&host, 2, 9_000).unwrap();
+        heartbeat(&host, 1, 0, true).unwrap();
+        heartbeat(&host, 2, 0, true).unwrap();
+        heartbeat(&host, 2, 9_000, true).unwrap();
         assert_eq!(sweep(&host, 10_000).unwrap(), Vec::<u64>::new());
         assert_eq!(sweep(&host, 10_001).unwrap(), vec![1]);
         assert_eq!(alive(&host).unwrap(), vec![2]);
@@ -134,38 +139,43 @@ mod tests {
     #[test]
     fn a_crash_loop_reuses_gauge_slots() {
         let host = MemoryHost::default();
-        assert_eq!(heartbeat(&host, 7, 0).unwrap().slot, Some(0));
+        assert_eq!(heartbeat(&host, 7, 0, true).unwrap().slot, Some(0));
         let mut slots = std::collections::HashSet::new();
         for vm in 100..1_100u64 {
             let now = vm * 20_000;
-            slots.insert(heartbeat(&host, vm, now).unwrap().slot);
-            heartbeat(&host, 7, now).unwrap();
+            slots.insert(heartbeat(&host, vm, now, true).unwrap().slot);
+            heartbeat(&host, 7, now, true).unwrap();
             sweep(&host, now + DEAD_AFTER_MS + 1).unwrap();
-            assert_eq!(heartbeat(&host, 7, now + DEAD_AFTER_MS + 1).unwrap().slot, Some(0), "a live VM keeps its slot");
+            assert_eq!(
+                heartbeat(&host, 7, now + DEAD_AFTER_MS + 1, true).unwrap().slot,
+                Some(0),
+                "a live VM keeps its slot"
+            );
         }
         assert_eq!(slots.into_iter().collect::<Vec<_>>(), [Some(1)]);
         for vm in 0..VM_SLOTS {
-            heartbeat(&host, 10_000 + vm, 0).unwrap();
+            heartbeat(&host, 10_000 + vm, 0, true).unwrap();
         }
-        assert_eq!(heartbeat(&host, 99_999, 0).unwrap().slot, None, "every slot taken: no per-VM gauges");
+        assert_eq!(heartbeat(&host, 99_999, 0, true).unwrap().slot, None, "every slot taken: no per-VM gauges");
     }
 
     #[test]
     fn a_vm_is_alone_after_two_heartbeats_that_found_no_other_and_not_after_one_that_did() {
         let host = MemoryHost::default();
         let solitude = Solitude::default();
-        solitude.observe(heartbeat(&host, 1, 0).unwrap());
+        heartbeat(&host, 9, 0, false).unwrap(); // Envoy's main-thread VM: alive, never serving
+        solitude.observe(heartbeat(&host, 1, 0, true).unwrap());
         assert!(!solitude.alone(), "one heartbeat is not enough: a second VM may be starting");
-        solitude.observe(heartbeat(&host, 1, 1_000).unwrap());
+        solitude.observe(heartbeat(&host, 1, 1_000, true).unwrap());
         assert!(solitude.alone());
-        heartbeat(&host, 2, 1_500).unwrap();
-        solitude.observe(heartbeat(&host, 1, 2_000).unwrap());
+        heartbeat(&host, 2, 1_500, true).unwrap();
+        solitude.observe(heartbeat(&host, 1, 2_000, true).unwrap());
         assert!(!solitude.alone(), "another VM heartbeated: at once not alone");
         // The other stops; it counts as alive until DEAD_AFTER_MS.
-        solitude.observe(heartbeat(&host, 1, 2_000 + DEAD_AFTER_MS).unwrap());
+        solitude.observe(heartbeat(&host, 1, 2_000 + DEAD_AFTER_MS, true).unwrap());
         assert!(!solitude.alone());
-        solitude.observe(heartbeat(&host, 1, 3_000 + DEAD_AFTER_MS).unwrap());
-        solitude.observe(heartbeat(&host, 1, 4_000 + DEAD_AFTER_MS).unwrap());
+        solitude.observe(heartbeat(&host, 1, 3_000 + DEAD_AFTER_MS, true).unwrap());
+        solitude.observe(heartbeat(&host, 1, 4_000 + DEAD_AFTER_MS, true).unwrap());
         assert!(solitude.alone());
     }
 }

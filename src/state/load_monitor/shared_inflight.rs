@@ -345,7 +345,7 @@ mod tests {
     const WORKERS: [&str; 2] = ["A", "B"];
 
     fn vm(host: &Arc<MemoryHost>, id: u64) -> SharedInflight {
-        vm_registry::heartbeat(host.as_ref(), id, 0).unwrap();
+        vm_registry::heartbeat(host.as_ref(), id, 0, true).unwrap();
         SharedInflight::new(Arc::clone(host) as Arc<dyn Host>, id, WORKERS)
     }
 
@@ -434,7 +434,7 @@ mod tests {
         alive.acquire("A", PrefillWork::NONE);
         alive.sync();
         assert_eq!(alive.inflight("A"), 3);
-        vm_registry::heartbeat(host.as_ref(), 2, 20_000).unwrap();
+        vm_registry::heartbeat(host.as_ref(), 2, 20_000, true).unwrap();
         assert_eq!(vm_registry::sweep(host.as_ref(), 20_000).unwrap(), vec![1]);
         let service = SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS);
         assert_eq!(service.reclaim(&[1]).unwrap(), 2);
@@ -458,7 +458,7 @@ mod tests {
         vm1.sync();
         assert_eq!(vm1.local_load("A").pending_prefill_tokens, 800);
         SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS).reclaim(&[2]).unwrap();
-        vm_registry::heartbeat(host.as_ref(), 1, 20_000).unwrap();
+        vm_registry::heartbeat(host.as_ref(), 1, 20_000, true).unwrap();
         vm_registry::sweep(host.as_ref(), 20_000).unwrap();
         vm1.sync();
         assert_eq!(vm1.local_load("A").pending_prefill_tokens, 400, "the dead VM's request no longer counts");
