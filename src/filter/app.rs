@@ -73,7 +73,7 @@ impl AppContext {
         Self {
             generate_model,
             indexer,
-            headers: Arc::new(ProtectedHeaders::new(&config, upstream.name())),
+            headers: Arc::new(ProtectedHeaders::new(upstream.name())),
             config: Arc::new(config),
             registry,
             availability,

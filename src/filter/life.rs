@@ -590,6 +590,32 @@ mod tests {
         assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (0, 0));
     }
 
+    /// The session key is read from the headers the request arrived with, whatever their case.
+    #[test]
+    fn a_session_header_keeps_a_conversation_on_its_engine() {
+        let app = app(json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "session_aware"}}}}]}},
+        }));
+        let turn = |session: &str| {
+            let mut life = RequestLife::default();
+            let mut out = Vec::new();
+            let mut headers = headers("POST", "/v1/chat/completions");
+            headers.push(("X-Session-Id".to_string(), session.as_bytes().to_vec()));
+            life.on_request_headers(&app, headers, false, &mut out);
+            life.on_request_body(&app, CHAT.len(), true, &mut |_| CHAT.to_vec(), &mut out);
+            let engine = upstream(&visible(&mut out)).map(str::to_string);
+            life.on_end(&app, &mut out);
+            engine
+        };
+        let first = turn("s1");
+        assert!(first.is_some());
+        assert_eq!(app.handles().affinity.len(), 1, "the key was read, and bound");
+        for _ in 0..4 {
+            assert_eq!(turn("s1"), first, "bound to its engine");
+        }
+    }
+
     #[test]
     fn routes_the_filter_answers_itself_and_what_it_passes_through() {
         let app = plain_app();
