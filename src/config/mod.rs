@@ -8,6 +8,7 @@ mod file;
 mod structure;
 mod types;
 mod validate;
+pub use validate::MAX_INDEXERS;
 
 #[cfg(not(target_arch = "wasm32"))]
 pub use file::{load_file, parse_document};
@@ -455,6 +456,34 @@ mod tests {
             "prefix_index.token_header",
         ] {
             assert!(paths.contains(&expected), "{expected} missing from {paths:?}");
+        }
+    }
+
+    #[test]
+    fn several_indexers_are_listed_once_each_and_named_in_order() {
+        let mut v = minimal();
+        v["prefix_index"] = json!({"urls": ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]});
+        let endpoints = from_value(v.clone()).unwrap().prefix_index.unwrap().endpoints();
+        let named: Vec<(&str, &str)> = endpoints.iter().map(|e| (e.cluster.as_str(), e.url.as_str())).collect();
+        assert_eq!(named, [("sgl_indexer", "http://127.0.0.1:9100"), ("sgl_indexer_1", "http://127.0.0.1:9101")]);
+        for (index, path) in [
+            (json!({}), "prefix_index.urls"),
+            (json!({"urls": []}), "prefix_index.urls"),
+            (json!({"url": "http://a:1", "urls": ["http://b:1"]}), "prefix_index.urls"),
+            (json!({"urls": ["http://a:1", "http://a:1/"]}), "prefix_index.urls[1]"),
+            (json!({"urls": ["http://a:1", "ftp://b"]}), "prefix_index.urls[1]"),
+            (
+                json!({"urls": (0..=MAX_INDEXERS).map(|i| format!("http://a:{}", i + 1)).collect::<Vec<_>>()}),
+                "prefix_index.urls",
+            ),
+            (json!({"urls": ["http://a:1", "http://a:2"], "cluster": "sgl"}), "prefix_index.cluster"),
+        ] {
+            v["prefix_index"] = index.clone();
+            if index.get("cluster").is_some() {
+                v["workers"][0]["cluster"] = json!("sgl_1");
+            }
+            let errors = from_value(v.clone()).unwrap_err().0;
+            assert!(errors.iter().any(|e| e.path == path), "{index}: {errors:?}");
         }
     }
 

@@ -51,10 +51,17 @@ impl RouterConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrefixIndexConfig {
-    /// The indexer's Envoy cluster (`render` emits it from `url`).
+    /// The first indexer's Envoy cluster; the i-th of several is `<cluster>_<i>` (`render` emits
+    /// one per URL).
     #[serde(default = "defaults::indexer_cluster")]
     pub cluster: String,
-    pub url: String,
+    /// One indexer: the one-element form of `urls`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Several indexers, each subscribed to every engine: the filter asks them in turn within
+    /// `timeout_ms` and sends its routed notices to all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub urls: Vec<String>,
     /// A slower answer counts as unavailable.
     #[serde(default = "defaults::indexer_timeout_ms")]
     pub timeout_ms: u64,
@@ -81,6 +88,29 @@ pub enum IndexerApi {
     #[default]
     Sgl,
     Dynamo,
+}
+
+/// One indexer replica as the filter reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexerEndpoint {
+    pub cluster: String,
+    pub url: String,
+}
+
+impl PrefixIndexConfig {
+    /// Every configured indexer in the order the filter tries them: `url`, or each of `urls`;
+    /// the first takes `cluster`, the i-th `<cluster>_<i>`.
+    pub fn endpoints(&self) -> Vec<IndexerEndpoint> {
+        self.url
+            .iter()
+            .chain(&self.urls)
+            .enumerate()
+            .map(|(i, url)| IndexerEndpoint {
+                cluster: if i == 0 { self.cluster.clone() } else { format!("{}_{i}", self.cluster) },
+                url: url.clone(),
+            })
+            .collect()
+    }
 }
 
 impl IndexerApi {

@@ -9,6 +9,10 @@ use super::{
 use crate::registry::EngineAddress;
 use crate::registry::Role;
 
+/// Indexer replicas at most: each gets every routed notice, so the count multiplies the filter's
+/// notice traffic.
+pub const MAX_INDEXERS: usize = 8;
+
 pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
     let mut errors = Vec::new();
     let workers = validate_workers(config, &mut errors);
@@ -102,19 +106,44 @@ fn validate_prefix_index(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
         }
     }
     let Some(index) = &config.prefix_index else { return };
-    if let Err(e) = EngineAddress::parse(&index.url) {
-        errors.push(ConfigError::new("prefix_index.url", e.to_string()));
+    match (&index.url, index.urls.len()) {
+        (None, 0) => errors.push(ConfigError::new("prefix_index.urls", "set `url` or `urls` (one indexer at least)")),
+        (Some(_), n) if n > 0 => {
+            errors.push(ConfigError::new("prefix_index.urls", "set `url` (one indexer) or `urls`, not both"))
+        }
+        (None, n) if n > MAX_INDEXERS => {
+            errors.push(ConfigError::new("prefix_index.urls", format!("{n} indexers; at most {MAX_INDEXERS}")))
+        }
+        _ => {}
+    }
+    if let Some(url) = &index.url {
+        if let Err(e) = EngineAddress::parse(url) {
+            errors.push(ConfigError::new("prefix_index.url", e.to_string()));
+        }
+    }
+    let mut seen = HashSet::new();
+    for (i, url) in index.urls.iter().enumerate() {
+        match EngineAddress::parse(url) {
+            Err(e) => errors.push(ConfigError::new(format!("prefix_index.urls[{i}]"), e.to_string())),
+            Ok(a) if !seen.insert(a.host_port()) => {
+                errors.push(ConfigError::new(format!("prefix_index.urls[{i}]"), format!("`{url}` is listed twice")))
+            }
+            Ok(_) => {}
+        }
     }
     if !is_cluster_name(&index.cluster) {
         errors.push(ConfigError::new(
             "prefix_index.cluster",
             format!("`{}` is not a usable Envoy cluster name (letters, digits, `_`, `-`, `.`)", index.cluster),
         ));
-    } else if config.workers.iter().any(|w| w.cluster_name() == index.cluster) {
-        errors.push(ConfigError::new(
-            "prefix_index.cluster",
-            format!("`{}` is already a worker's cluster", index.cluster),
-        ));
+    }
+    for endpoint in index.endpoints() {
+        if config.workers.iter().any(|w| w.cluster_name() == endpoint.cluster) {
+            errors.push(ConfigError::new(
+                "prefix_index.cluster",
+                format!("`{}` is already a worker's cluster", endpoint.cluster),
+            ));
+        }
     }
     positive(errors, "prefix_index.timeout_ms", index.timeout_ms);
     positive(errors, "prefix_index.max_concurrent", index.max_concurrent);

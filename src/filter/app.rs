@@ -245,6 +245,11 @@ impl AppContext {
         generation::decide(ticket, &wiring)
     }
 
+    /// The indexer replica whose cluster is `cluster`, for its counters.
+    pub fn indexer_replica(&self, cluster: &str) -> Option<Arc<str>> {
+        self.indexer.as_ref()?.replica_of(cluster)
+    }
+
     /// Microseconds on the host's monotonic clock.
     pub fn monotonic_us(&self) -> u64 {
         self.handles.host.monotonic_us()

@@ -35,8 +35,9 @@ use super::models::{list_models, retrieve_model};
 use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
 use crate::host::CalloutRequest;
+use crate::protocol::indexer::IndexerAnswer;
 use crate::state::load_monitor::InflightGuard;
-use crate::wiring::counters::{Bumps, SELECTION_US};
+use crate::wiring::counters::{Bumps, Counter, IndexerEvent, SELECTION_US};
 
 /// What the glue does for the core, in order.
 #[derive(Debug, PartialEq)]
@@ -121,6 +122,8 @@ struct Routed {
     _upstream: InflightGuard,
     /// The filter answered the client itself (a failed prefill): the response is not the engine's.
     answered: bool,
+    /// Routed notices awaiting the indexer's answer: (token, replica), for its counters.
+    notices: Vec<(u32, Arc<str>)>,
 }
 
 #[derive(Debug, Default)]
@@ -252,7 +255,7 @@ impl RequestLife {
             Err(error) => return self.fail(app, &error, out),
         };
         match ticket.take_indexer_call() {
-            Some(mut call) => match call.take_request() {
+            Some(mut call) => match call.take_request(started_us) {
                 Some(request) => {
                     out.push(Action::Dispatch(request));
                     self.state =
@@ -272,12 +275,7 @@ impl RequestLife {
                     awaiting.token = Some(token);
                     self.state = State::AwaitingIndexer(awaiting);
                 }
-                Err(e) => {
-                    let Awaiting { held, mut ticket, call, started_us, .. } = *awaiting;
-                    drop(call);
-                    ticket.answered(Err(format!("the indexer callout was not sent: {e}")));
-                    self.decide(app, held, ticket, started_us, out);
-                }
+                Err(e) => self.indexer_failed(app, awaiting, format!("the indexer callout was not sent: {e}"), out),
             },
             State::DispatchingPrefill(dispatching) => {
                 let Dispatching { mut exchange } = *dispatching;
@@ -316,13 +314,21 @@ impl RequestLife {
     ) {
         match &mut self.state {
             State::AwaitingIndexer(awaiting) if awaiting.token == Some(token) => {
-                let State::AwaitingIndexer(awaiting) = mem::take(&mut self.state) else { return };
-                let Awaiting { held, mut ticket, call, started_us, .. } = *awaiting;
-                let answer = call.answer(status, &read());
-                // Its in-flight slot is given back before the selection runs.
-                drop(call);
-                ticket.answered(answer);
-                self.decide(app, held, ticket, started_us, out);
+                let State::AwaitingIndexer(mut awaiting) = mem::take(&mut self.state) else { return };
+                match awaiting.call.answer(status, &read()) {
+                    Err(why) => self.indexer_failed(app, awaiting, why, out),
+                    answer => self.indexer_done(app, *awaiting, answer, out),
+                }
+            }
+            State::Routed(routed) if routed.notices.iter().any(|(t, _)| *t == token) => {
+                if let Some(i) = routed.notices.iter().position(|(t, _)| *t == token) {
+                    let (_, replica) = routed.notices.swap_remove(i);
+                    let event = match status {
+                        Some(200..=299) => IndexerEvent::NoticeSent,
+                        _ => IndexerEvent::NoticeFailed,
+                    };
+                    app.count([Counter::Indexer(replica, event)]);
+                }
             }
             State::Routed(routed) if routed.prefill.as_ref().is_some_and(|(t, _)| *t == token) => {
                 if let Some((_, guard)) = routed.prefill.as_mut() {
@@ -342,6 +348,38 @@ impl RequestLife {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// The replica asked last could not answer: the next one is asked within the call's budget,
+    /// or the request goes on without the index.
+    fn indexer_failed(&mut self, app: &AppContext, mut awaiting: Box<Awaiting>, why: String, out: &mut Actions) {
+        match awaiting.call.fail_over(app.monotonic_us()) {
+            Some(request) => {
+                out.push(Action::Dispatch(request));
+                awaiting.token = None;
+                self.state = State::AwaitingIndexer(awaiting);
+            }
+            None => self.indexer_done(app, *awaiting, Err(why), out),
+        }
+    }
+
+    fn indexer_done(&mut self, app: &AppContext, awaiting: Awaiting, answer: IndexerAnswer, out: &mut Actions) {
+        let Awaiting { held, mut ticket, mut call, started_us, .. } = awaiting;
+        app.count(call.take_counters());
+        // Its in-flight slot is given back before the selection runs.
+        drop(call);
+        ticket.answered(answer);
+        self.decide(app, held, ticket, started_us, out);
+    }
+
+    /// How sending a routed notice (an [`Action::Notify`]) to the indexer behind `cluster` went.
+    pub fn on_notice_dispatched(&mut self, app: &AppContext, cluster: &str, result: Result<u32, String>) {
+        let Some(replica) = app.indexer_replica(cluster) else { return };
+        match (result, &mut self.state) {
+            (Ok(token), State::Routed(routed)) => routed.notices.push((token, replica)),
+            (Ok(_), _) => {}
+            (Err(_), _) => app.count([Counter::Indexer(replica, IndexerEvent::NoticeFailed)]),
         }
     }
 
@@ -395,7 +433,13 @@ impl RequestLife {
         exchange.dispatched(&upstream.id);
         // Fire and forget: the indexer's routed notice.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
-        self.state = State::Routed(Box::new(Routed { exchange, prefill, _upstream: guard, answered: false }));
+        self.state = State::Routed(Box::new(Routed {
+            exchange,
+            prefill,
+            _upstream: guard,
+            answered: false,
+            notices: Vec::new(),
+        }));
         Self::sync(app, out);
         out.push(Action::Proceed);
     }
@@ -691,6 +735,63 @@ mod tests {
         assert_eq!(notice.map(|n| n.path.as_str()), Some("/v1/prefix/routed"));
         assert_eq!(actions.last(), Some(&Action::Proceed), "resumed");
         assert_eq!(app.handles().inflight.local_load("B").prefilled_total, 0, "all of it cached");
+    }
+
+    /// Two replicas: the first refuses the callout, the second is asked within the same budget
+    /// and its answer routes; the notice goes to both, and their answers are counted per replica.
+    #[test]
+    fn a_replica_that_cannot_answer_hands_the_question_to_the_next() {
+        let app = app(json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+            "prefix_index": {"urls": ["http://10.0.0.9:9100", "http://10.0.0.9:9101"], "timeout_ms": 50},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}},
+        }));
+        let (mut life, actions) = send(&app, "/v1/completions", &tokens());
+        let [Action::Dispatch(first)] = &actions[..] else { panic!("{actions:?}") };
+        assert_eq!(first.cluster, "sgl_indexer");
+        let mut out = Vec::new();
+        let mut counted: Vec<String> = Vec::new();
+        let keep = |out: &Actions, counted: &mut Vec<String>| {
+            for a in out {
+                if let Action::Count(bumps) = a {
+                    counted.extend(bumps.keys().map(Counter::name));
+                }
+            }
+        };
+        life.on_dispatched(&app, Ok(7), &mut out);
+        life.on_callout_answer(&app, 7, Some(503), &mut Vec::new, &mut out);
+        keep(&out, &mut counted);
+        let actions = visible(&mut out);
+        let [Action::Dispatch(second)] = &actions[..] else { panic!("asks the next: {actions:?}") };
+        assert_eq!(second.cluster, "sgl_indexer_1");
+        assert!(second.timeout_ms <= 50);
+        life.on_dispatched(&app, Ok(8), &mut out);
+        let body = answer(json!({"B": {"matched_tokens": 2048}}));
+        life.on_callout_answer(&app, 8, Some(200), &mut || body.clone(), &mut out);
+        keep(&out, &mut counted);
+        let actions = visible(&mut out);
+        assert_eq!(upstream(&actions), Some("sgl_B"), "{actions:?}");
+        let notices: Vec<&str> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Notify(n) => Some(n.cluster.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(notices, ["sgl_indexer", "sgl_indexer_1"]);
+        life.on_notice_dispatched(&app, "sgl_indexer", Ok(20));
+        life.on_notice_dispatched(&app, "sgl_indexer_1", Err("refused".into()));
+        life.on_callout_answer(&app, 20, Some(204), &mut Vec::new, &mut out);
+        keep(&out, &mut counted);
+        counted.extend(app.handles().counters.take(0).into_keys().map(|c| c.name()));
+        for name in [
+            "sgl_router_indexer_failovers_total.indexer.sgl_indexer",
+            "sgl_router_indexer_queries_total.indexer.sgl_indexer_1",
+            "sgl_router_indexer_notices_total.indexer.sgl_indexer.result.sent",
+            "sgl_router_indexer_notices_total.indexer.sgl_indexer_1.result.failed",
+        ] {
+            assert!(counted.iter().any(|c| c == name), "{name} in {counted:?}");
+        }
     }
 
     #[test]

@@ -61,10 +61,8 @@ impl Filter {
                     actions.splice(i + 1..i + 1, more);
                 }
                 Action::Notify(request) => {
-                    // Fire and forget: its answer, if any, is ignored.
-                    if let Err(e) = dispatch(&request) {
-                        log::debug!("notice not sent: {e}");
-                    }
+                    let result = dispatch(&request).map_err(|e| e.to_string());
+                    self.life.on_notice_dispatched(&self.app.borrow(), &request.cluster, result);
                 }
                 Action::Reply { status, body, headers } => {
                     let headers = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();

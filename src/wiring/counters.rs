@@ -34,6 +34,30 @@ pub enum Counter {
     PrefixLookup(&'static str),
     /// `sgl_router_health_stale_reads_total`: health read while the service's table was stale.
     HealthTableStale,
+    /// Per indexer replica (its cluster): `sgl_router_indexer_queries_total` (answered),
+    /// `sgl_router_indexer_failovers_total` (it failed and the next replica was asked),
+    /// `sgl_router_indexer_notices_total{result=sent|failed}`.
+    Indexer(Arc<str>, IndexerEvent),
+}
+
+/// What happened with one indexer replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IndexerEvent {
+    Answered,
+    FailedOver,
+    NoticeSent,
+    NoticeFailed,
+}
+
+impl IndexerEvent {
+    fn as_str(self) -> &'static str {
+        match self {
+            IndexerEvent::Answered => "answered",
+            IndexerEvent::FailedOver => "failed_over",
+            IndexerEvent::NoticeSent => "notice_sent",
+            IndexerEvent::NoticeFailed => "notice_failed",
+        }
+    }
 }
 
 impl Counter {
@@ -47,6 +71,7 @@ impl Counter {
             Counter::Rejection(l) => (4, l.as_str(), ""),
             Counter::PrefixLookup(v) => (5, v, ""),
             Counter::HealthTableStale => (6, "", ""),
+            Counter::Indexer(cluster, event) => (7, cluster, event.as_str()),
         }
     }
 
@@ -64,6 +89,19 @@ impl Counter {
             Counter::Rejection(l) => format!("sgl_router_admission_rejections_total.limit.{}", l.as_str()),
             Counter::PrefixLookup(v) => format!("sgl_router_prefix_lookups_total.result.{v}"),
             Counter::HealthTableStale => "sgl_router_health_stale_reads_total".to_string(),
+            Counter::Indexer(cluster, event) => {
+                let cluster = label(cluster);
+                match event {
+                    IndexerEvent::Answered => format!("sgl_router_indexer_queries_total.indexer.{cluster}"),
+                    IndexerEvent::FailedOver => format!("sgl_router_indexer_failovers_total.indexer.{cluster}"),
+                    IndexerEvent::NoticeSent => {
+                        format!("sgl_router_indexer_notices_total.indexer.{cluster}.result.sent")
+                    }
+                    IndexerEvent::NoticeFailed => {
+                        format!("sgl_router_indexer_notices_total.indexer.{cluster}.result.failed")
+                    }
+                }
+            }
         }
     }
 }

@@ -167,7 +167,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     // The indexer holds the blocks for the engine that prefills them until its own event says so.
     let handle = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok()).and_then(|m| m.handle.as_deref());
     let notices = match (wiring.indexer, handle) {
-        (Some(client), Some(handle)) => vec![client.routed_notice(handle, &target.prefill_work().id)],
+        (Some(client), Some(handle)) => client.routed_notices(handle, &target.prefill_work().id),
         _ => Vec::new(),
     };
     let cached_tokens = match &selection.pick {

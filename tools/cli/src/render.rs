@@ -104,7 +104,8 @@ fn stats_tags() -> Value {
                 {"tag_name": "outcome", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.outcome\\.([^.]+))$"},
                 {"tag_name": "limit", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.limit\\.([^.]+))$"},
                 {"tag_name": "vm", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.vm\\.([^.]+))$"},
-                {"tag_name": "result", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.result\\.([^.]+))$"},
+                {"tag_name": "indexer", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.indexer\\.([^.]+))"},
+                {"tag_name": "result", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.indexer\\.[^.]+)?(\\.result\\.([^.]+))$"},
                 {"tag_name": "reason", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(\\.reason\\.([^.]+))$"},
     ])
 }
@@ -266,10 +267,16 @@ fn static_cluster(name: &str, address: &EngineAddress) -> Value {
 fn clusters(config: &RouterConfig) -> Vec<Value> {
     let registry = factory::registry(config);
     let mut clusters: Vec<Value> = registry.all().iter().map(|w| static_cluster(&w.cluster, &w.address)).collect();
-    // The indexer the filter asks once per request (spec §7).
+    // The indexers the filter asks once per request (spec §7): a cluster each, so the filter
+    // chooses the replica and fails over itself within its budget. A replica that is down must
+    // fail fast: its connect timeout is the filter's whole wait.
     if let Some(index) = &config.prefix_index {
-        if let Ok(address) = EngineAddress::parse(&index.url) {
-            clusters.push(static_cluster(&index.cluster, &address));
+        for endpoint in index.endpoints() {
+            if let Ok(address) = EngineAddress::parse(&endpoint.url) {
+                let mut cluster = static_cluster(&endpoint.cluster, &address);
+                cluster["connect_timeout"] = json!(duration(index.timeout_ms.max(1)));
+                clusters.push(cluster);
+            }
         }
     }
     if config.upstream.mode == UpstreamMode::OriginalDst {
@@ -307,11 +314,35 @@ mod tests {
         let address =
             &indexer["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
         assert_eq!((address["address"].as_str(), address["port_value"].as_u64()), (Some("127.0.0.1"), Some(9100)));
+        assert_eq!(indexer["connect_timeout"], "0.050s", "a dead replica fails within the filter's budget");
         let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
         let mappers = hcm["local_reply_config"]["mappers"].as_array().unwrap();
         assert_eq!(mappers.len(), 3);
         assert!(mappers.iter().all(|m| m["body_format_override"]["json_format"]["error"]["message"]
             .as_str()
             .is_some_and(|s| s.contains("%UPSTREAM_CLUSTER%"))));
+    }
+
+    #[test]
+    fn several_indexers_get_a_cluster_each_and_their_stats_a_label() {
+        let config = sgl_envoy_router::config::parse_and_validate(
+            r#"{"workers": [{"id": "A", "url": "http://127.0.0.1:30001", "model": "m"}],
+                "prefix_index": {"urls": ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]},
+                "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}}"#,
+        )
+        .unwrap();
+        let b = bootstrap(&config, &RenderOptions::default());
+        let clusters = b["static_resources"]["clusters"].as_array().unwrap();
+        for (name, port) in [("sgl_indexer", 9100), ("sgl_indexer_1", 9101)] {
+            let c = clusters.iter().find(|c| c["name"] == name).unwrap();
+            let address =
+                &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+            assert_eq!(address["port_value"].as_u64(), Some(port), "{name}");
+        }
+        let tags = stats_tags();
+        let regex =
+            |tag: &str| tags.as_array().unwrap().iter().find(|t| t["tag_name"] == tag).unwrap()["regex"].clone();
+        assert!(regex("indexer").as_str().unwrap().contains("indexer"));
+        assert!(regex("result").as_str().unwrap().contains("(?:\\.indexer\\.[^.]+)?"));
     }
 }
