@@ -1,8 +1,9 @@
 //! The query API (spec §7, Mooncake KV-indexer conventions): `POST /query` with token ids,
 //! `POST /v1/prefix/match` with a client's chat body (rendered and tokenized here), the filter's
-//! `POST /v1/prefix/routed` notice, `GET /health`, `GET /metrics`. Queries are read-only; the one
-//! write path bounds what it adds; with a token configured every POST needs it. Malformed input is
-//! a 400, never a crash; a panic is the 500 of its own request.
+//! `POST /v1/prefix/routed` notice, a replica's `GET /v1/snapshot`, `GET /health`, `GET /metrics`.
+//! Queries are read-only; the one write path bounds what it adds; with a token configured every
+//! POST (and the snapshot) needs it. Malformed input is a 400, never a crash; a panic is the 500 of
+//! its own request.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,6 +29,9 @@ use crate::state::App;
 use crate::tokenize::TokenizeError;
 use tower_http::catch_panic::{CatchPanicLayer, ResponseForPanic};
 
+/// A running indexer's whole view (`sgl-indexer --peer`).
+pub const SNAPSHOT_PATH: &str = "/v1/snapshot";
+
 /// Request bodies accepted at most (spec §7); the filter routes a larger request on the estimate
 /// without asking.
 pub const MAX_BODY_BYTES: usize = MAX_INDEXER_BODY_BYTES;
@@ -41,6 +45,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route(QUERY_PATH, post(query))
         .route(MATCH_PATH, post(prefix_match))
         .route(ROUTED_PATH, post(routed))
+        // The whole view, for a replica starting after this one: as privileged as a write.
+        .route(SNAPSHOT_PATH, get(snapshot))
         .route_layer(axum::middleware::from_fn_with_state(Arc::clone(&app), require_token));
     Router::new()
         .merge(writes)
@@ -202,6 +208,14 @@ async fn routed(State(app): State<Arc<App>>, body: Bytes) -> Response {
             app.stats.routed_refused.fetch_add(1, Ordering::Relaxed);
             (StatusCode::NOT_FOUND, "unknown or expired handle, or a worker of another model").into_response()
         }
+    }
+}
+
+async fn snapshot(State(app): State<Arc<App>>) -> Response {
+    // Encoding walks the whole index: off the async workers.
+    match tokio::task::spawn_blocking(move || app.snapshot().encode()).await {
+        Ok(bytes) => ([("content-type", "application/msgpack")], bytes).into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "the snapshot failed").into_response(),
     }
 }
 

@@ -52,6 +52,15 @@ impl Chain {
         Chain { state: mix(h), filled: 0 }
     }
 
+    /// The state as a snapshot carries it: (running hash, tokens in the block being filled).
+    pub fn parts(self) -> (u64, u32) {
+        (self.state, self.filled)
+    }
+
+    pub fn from_parts(state: u64, filled: u32) -> Self {
+        Chain { state, filled }
+    }
+
     /// Feeds `tokens`; `on_block` gets each key completed on the way.
     pub fn extend(mut self, tokens: &[u32], block_tokens: u32, mut on_block: impl FnMut(u64)) -> Self {
         for t in tokens {
@@ -72,6 +81,15 @@ pub fn block_keys(tokens: &[u32], block_tokens: u32, lora: Option<&str>, salt: O
     let mut keys = Vec::with_capacity(tokens.len() / block_tokens.max(1) as usize);
     Chain::root(lora, salt).extend(tokens, block_tokens.max(1), |k| keys.push(k));
     keys
+}
+
+/// One engine page as a snapshot carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportedPage {
+    pub hash: EngineHash,
+    pub medium: Medium,
+    pub after: Chain,
+    pub completes: Vec<u64>,
 }
 
 /// One engine page: the chain state after it and the blocks it completed.
@@ -438,6 +456,54 @@ impl Index {
             .collect();
         result.sort_by(|a, b| b.1.matched_tokens.cmp(&a.1.matched_tokens).then_with(|| a.0.cmp(&b.0)));
         result
+    }
+
+    /// Every engine rank's pages, oldest first: (engine, rank, pages as (engine hash, medium,
+    /// chain after, keys completed)). What a peer's snapshot carries.
+    pub fn export(&self) -> Vec<(String, u32, Vec<ExportedPage>)> {
+        let mut out = Vec::new();
+        for (&(e, rank), source) in &self.sources {
+            let mut seen = std::collections::HashSet::new();
+            let pages = source
+                .order
+                .iter()
+                .filter(|id| seen.insert(**id))
+                .filter_map(|id| {
+                    let page = source.pages.get(id)?;
+                    Some(ExportedPage {
+                        hash: id.0,
+                        medium: id.1,
+                        after: page.after,
+                        completes: page.completes.clone(),
+                    })
+                })
+                .collect();
+            out.push((self.engines[e as usize].clone(), rank, pages));
+        }
+        out
+    }
+
+    /// Adds one page a peer's snapshot brought, as if its event had arrived.
+    pub fn import(&mut self, engine: &str, rank: u32, page: ExportedPage) {
+        let e = self.engine_id(engine);
+        let holder = Holder { engine: e, rank, medium: page.medium };
+        for key in &page.completes {
+            let hs = self.holders.entry(*key).or_default();
+            if !hs.contains(&holder) {
+                hs.push(holder);
+            }
+        }
+        let id = (page.hash, page.medium);
+        let source = self.sources.entry((e, rank)).or_default();
+        if source.pages.insert(id, Page { after: page.after, completes: page.completes }).is_none() {
+            source.remember(id);
+            self.pages += 1;
+        }
+        while self.pages > self.max_pages {
+            if !self.evict_one() {
+                break;
+            }
+        }
     }
 
     /// Engine pages held per engine (every rank and medium), for the blocks-per-engine gauge.

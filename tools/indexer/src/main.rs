@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use sgl_envoy_router::config;
+use sgl_indexer::snapshot::Snapshot;
 use sgl_indexer::state::{App, MemoryBudget, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_MEMORY_MB};
 use sgl_indexer::{http, subscriber};
 
@@ -37,6 +38,33 @@ struct Args {
     /// Listen beyond loopback without a token: anyone who reaches the port can steer routing.
     #[arg(long)]
     insecure: bool,
+    /// A running indexer (its base URL): its view (`GET /v1/snapshot`) is loaded before the
+    /// engines are subscribed, and each rank repaired from where the peer was by replay.
+    #[arg(long)]
+    peer: Option<String>,
+}
+
+/// How long fetching a peer's snapshot may take before the indexer starts cold.
+const PEER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Fetches and loads a peer's view; the indexer starts cold (and says why) when it cannot.
+async fn warm_from_peer(app: &Arc<App>, peer: &str, limit_bytes: u64) -> Result<usize, String> {
+    let url = format!("{}{}", peer.trim_end_matches('/'), http::SNAPSHOT_PATH);
+    let token = app.config.prefix_index.as_ref().and_then(|p| p.token_header.clone().zip(p.token.clone()));
+    let block_tokens = app.block_tokens;
+    let bytes = tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(PEER_TIMEOUT)).build().into();
+        let mut request = agent.get(&url);
+        if let Some((header, value)) = &token {
+            request = request.header(header.as_str(), value.as_str());
+        }
+        let mut response = request.call().map_err(|e| format!("{url}: {e}"))?;
+        response.body_mut().with_config().limit(limit_bytes).read_to_vec().map_err(|e| format!("{url}: {e}"))
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let snapshot = Snapshot::decode(&bytes, block_tokens).map_err(|e| e.to_string())?;
+    Ok(app.load_snapshot(snapshot))
 }
 
 fn load(path: &std::path::Path) -> Result<config::RouterConfig, String> {
@@ -88,6 +116,13 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Some(peer) = &args.peer {
+        let limit = (args.max_memory_mb as u64).saturating_mul(1 << 20);
+        match warm_from_peer(&app, peer, limit).await {
+            Ok(ranks) => eprintln!("sgl-indexer: {ranks} engine ranks loaded from {peer}"),
+            Err(e) => eprintln!("sgl-indexer: starting cold, the peer's snapshot did not load: {e}"),
+        }
+    }
     let subs = subscriber::subscriptions(&app.config);
     app.stats.subscriptions.store(subs.len() as u64, Ordering::Relaxed);
     for sub in subs {

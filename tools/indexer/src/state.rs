@@ -12,6 +12,7 @@ use sgl_envoy_router::config::{CacheSourceKind, RouterConfig};
 use crate::claims::{Claims, Turn};
 use crate::events::EventBatch;
 use crate::index::{block_keys, Counters, EngineMatch, Index};
+use crate::snapshot::{self, PageView, RankView, Snapshot};
 use crate::tokenize::{ModelTokenizer, TokenizeError};
 
 /// Queries that tokenize or match at once, by default (`--max-concurrent`): the work is CPU, so
@@ -135,9 +136,40 @@ fn handle_bytes((_, model, keys): &Handle) -> usize {
     HANDLE_OVERHEAD + model.len() + std::mem::size_of_val(&**keys)
 }
 
+/// Where a rank's entries came from first since it was last empty (`/metrics`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Warmth {
+    /// The engine's replay buffer, asked at subscription.
+    Replay,
+    /// A running replica's snapshot (`--peer`).
+    Peer,
+    /// The engine's live events only.
+    Live,
+}
+
+impl Warmth {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Warmth::Replay => "replay",
+            Warmth::Peer => "peer",
+            Warmth::Live => "live",
+        }
+    }
+}
+
+/// One engine rank's place in its publisher's sequence, and where its entries came from.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct RankStatus {
+    /// The last batch applied.
+    seq: Option<u64>,
+    warm: Option<Warmth>,
+}
+
 pub struct App {
     pub block_tokens: u32,
     indexes: Mutex<HashMap<String, Index>>,
+    /// Per (worker, rank); locked inside `indexes`, so a snapshot's pages and sequence agree.
+    ranks: Mutex<HashMap<(String, u32), RankStatus>>,
     worker_model: HashMap<String, String>,
     handles: Mutex<Handles>,
     budget: MemoryBudget,
@@ -210,6 +242,7 @@ impl App {
             claims: Claims::new(claim_window_ms(&config), block_tokens, min_gain),
             block_tokens,
             indexes: Mutex::new(indexes),
+            ranks: Mutex::default(),
             worker_model,
             handles: Mutex::default(),
             budget,
@@ -263,21 +296,71 @@ impl App {
         lock(&self.handles).bytes
     }
 
-    /// Applies one rank's batch to its worker's model.
-    pub fn apply(&self, worker: &str, rank: u32, batch: &EventBatch) {
+    /// Applies batch `seq` of one rank to its worker's model; `source` says how it came.
+    pub fn apply(&self, worker: &str, rank: u32, seq: u64, batch: &EventBatch, source: Warmth) {
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         let Some(model) = self.worker_model.get(worker) else { return };
         self.with_index(model, |index| {
             for event in &batch.events {
                 index.apply(worker, rank, event);
             }
+            let mut ranks = lock(&self.ranks);
+            let status = ranks.entry((worker.to_string(), rank)).or_default();
+            status.seq = Some(seq);
+            status.warm.get_or_insert(source);
         });
     }
 
+    /// Forgets what an engine rank holds (`None`: every rank), and where it was in its sequence.
     pub fn clear(&self, worker: &str, rank: Option<u32>) {
         if let Some(model) = self.worker_model.get(worker) {
-            self.with_index(model, |index| index.clear(worker, rank));
+            self.with_index(model, |index| {
+                index.clear(worker, rank);
+                lock(&self.ranks).retain(|(w, r), _| w != worker || rank.is_some_and(|rank| rank != *r));
+            });
         }
+    }
+
+    /// The batch a rank expects next, when a peer's snapshot brought it (before subscribing).
+    pub fn resume_point(&self, worker: &str, rank: u32) -> Option<u64> {
+        lock(&self.ranks).get(&(worker.to_string(), rank)).and_then(|s| s.seq).map(|s| s.wrapping_add(1))
+    }
+
+    /// The whole view, for a replica starting after this one.
+    pub fn snapshot(&self) -> Snapshot {
+        let indexes = lock(&self.indexes);
+        let ranks = lock(&self.ranks);
+        let mut views = Vec::new();
+        for index in indexes.values() {
+            for (worker, rank, pages) in index.export() {
+                let Some(seq) = ranks.get(&(worker.clone(), rank)).and_then(|s| s.seq) else { continue };
+                views.push(RankView { worker, rank, seq, pages: pages.into_iter().map(PageView::from).collect() });
+            }
+        }
+        Snapshot { version: snapshot::VERSION, block_tokens: self.block_tokens, ranks: views }
+    }
+
+    /// Loads a peer's view before subscribing: ranks of workers this configuration does not
+    /// have (or of another model) are skipped. Returns the ranks loaded.
+    pub fn load_snapshot(&self, snapshot: Snapshot) -> usize {
+        let mut loaded = 0;
+        for view in snapshot.ranks {
+            let Some(model) = self.worker_model.get(&view.worker) else { continue };
+            let in_range = self.config.workers.iter().any(|w| w.id == view.worker && view.rank < w.dp_size.max(1));
+            if !in_range {
+                continue;
+            }
+            let (worker, rank, seq) = (view.worker, view.rank, view.seq);
+            self.with_index(model, |index| {
+                for page in view.pages {
+                    index.import(&worker, rank, page.into());
+                }
+                lock(&self.ranks)
+                    .insert((worker.clone(), rank), RankStatus { seq: Some(seq), warm: Some(Warmth::Peer) });
+            });
+            loaded += 1;
+        }
+        loaded
     }
 
     pub fn serves(&self, model: &str) -> bool {
@@ -458,6 +541,20 @@ impl App {
         for (name, help, value) in index_counters {
             line(name, help, "counter", value);
         }
+        out.push_str(
+            "# HELP sgl_indexer_rank_warm engine ranks holding entries, by where they first came from \
+             (replay: the engine's buffer at subscription; peer: a replica's snapshot; live: events)\n\
+             # TYPE sgl_indexer_rank_warm gauge\n",
+        );
+        let mut warm: Vec<((String, u32), Warmth)> =
+            lock(&self.ranks).iter().filter_map(|(k, s)| Some((k.clone(), s.warm?))).collect();
+        warm.sort_by(|a, b| a.0.cmp(&b.0));
+        for ((worker, rank), from) in warm {
+            out.push_str(&format!(
+                "sgl_indexer_rank_warm{{worker=\"{worker}\",rank=\"{rank}\",from=\"{}\"}} 1\n",
+                from.as_str()
+            ));
+        }
         out.push_str("# HELP sgl_indexer_blocks engine pages held, per engine\n# TYPE sgl_indexer_blocks gauge\n");
         for (engine, pages) in per_engine {
             out.push_str(&format!("sgl_indexer_blocks{{worker=\"{engine}\"}} {pages}\n"));
@@ -508,6 +605,59 @@ mod tests {
         assert_eq!(b.speculative_entries, (1 << 26) / 64);
     }
 
+    /// A replica loaded from another's snapshot matches what it matches, resumes each rank after
+    /// the batch the peer was current to, and says where its entries came from.
+    #[tokio::test]
+    async fn a_snapshot_carries_the_view_and_where_each_rank_stands() {
+        let peer = app();
+        let tokens: Vec<u32> = (1..=10).collect();
+        // Page size 1: the last two tokens leave a partly filled block whose chain must carry over.
+        let events: Vec<KvEvent> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                KvEvent::Stored(StoredBlocks {
+                    block_hashes: vec![100 + i as u64],
+                    parent: (i > 0).then(|| 99 + i as u64),
+                    token_ids: vec![*t],
+                    block_size: 1,
+                    lora: None,
+                    medium: Medium::Gpu,
+                    cache_salt: None,
+                })
+            })
+            .collect();
+        peer.apply("A", 0, 41, &EventBatch { ts: 0.0, events, dp_rank: None }, Warmth::Live);
+        let bytes = peer.snapshot().encode();
+        let replica = app();
+        assert_eq!(replica.load_snapshot(Snapshot::decode(&bytes, 4).unwrap()), 1);
+        let matched = |a: &App, t: &[u32]| {
+            let keys = block_keys(t, 4, None, None);
+            a.matches("m", &keys).unwrap().first().map_or(0, |(_, m)| m.matched_tokens)
+        };
+        assert_eq!((matched(&peer, &tokens), matched(&replica, &tokens)), (8, 8));
+        assert_eq!(replica.resume_point("A", 0), Some(42));
+        assert!(replica.metrics().contains(r#"sgl_indexer_rank_warm{worker="A",rank="0",from="peer"} 1"#));
+        // Two more tokens on the peer's chain complete the third block on the replica too.
+        let more = |h: u64, t: u32| {
+            KvEvent::Stored(StoredBlocks {
+                block_hashes: vec![h],
+                parent: Some(h - 1),
+                token_ids: vec![t],
+                block_size: 1,
+                lora: None,
+                medium: Medium::Gpu,
+                cache_salt: None,
+            })
+        };
+        let batch = EventBatch { ts: 0.0, events: vec![more(110, 11), more(111, 12)], dp_rank: None };
+        replica.apply("A", 0, 42, &batch, Warmth::Live);
+        let longer: Vec<u32> = (1..=12).collect();
+        assert_eq!(matched(&replica, &longer), 12);
+        replica.clear("A", Some(0));
+        assert_eq!(replica.resume_point("A", 0), None);
+    }
+
     /// The index's own counters were kept "for /metrics" and never reached it.
     #[test]
     fn the_index_counters_are_exported() {
@@ -524,7 +674,7 @@ mod tests {
             })
         };
         let batch = EventBatch { ts: 0.0, events: vec![stored(1, None), stored(2, Some(99))], dp_rank: None };
-        app.apply("A", 0, &batch);
+        app.apply("A", 0, 0, &batch, Warmth::Live);
         let metrics = app.metrics();
         for line in
             ["sgl_indexer_events_total 2", "sgl_indexer_orphan_pages_total 1", "sgl_indexer_evicted_pages_total 0"]

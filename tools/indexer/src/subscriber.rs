@@ -15,7 +15,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use crate::events::{decode_batch, decode_frames, replay_frames, EventBatch};
 use crate::relay;
-use crate::state::App;
+use crate::state::{App, Warmth};
 
 /// What a replay answer may take before the gap counts as unrepairable.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -72,7 +72,7 @@ pub enum Dropped {
     /// The publisher's sequence went back: it restarted, and what it said before is void.
     Restart,
     /// Batches were missed and could not be replayed: a missed removal would leave a block the
-    /// engine no longer has.
+    /// engine no longer has. A peer's snapshot older than the engine's replay buffer is one.
     Unrepaired,
     /// A repair took so long that the live batches held behind it reached their bound.
     Overflow,
@@ -84,29 +84,40 @@ pub enum Dropped {
 /// What the subscriber does next for one rank.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
-    Apply(EventBatch),
+    /// Apply the batch numbered `seq`; `replayed` when it came from the replay endpoint.
+    Apply {
+        seq: u64,
+        batch: EventBatch,
+        replayed: bool,
+    },
     Drop(Dropped),
-    /// Ask the replay endpoint for batches `from..until`; live batches are held until it answers.
+    /// Ask the replay endpoint for batches from `from` on — those before `until`, or, without
+    /// one, everything it holds (a warm start); live batches are held until it answers.
     Repair {
         from: u64,
-        until: u64,
+        until: Option<u64>,
     },
 }
 
-/// One rank's sequence: applies batches in order, asks for repairs of gaps and holds what comes
-/// live meanwhile. Pure, so every path is tested without sockets.
+/// One rank's sequence: applies batches in order, asks for repairs of gaps, warms up from the
+/// engine's replay at every (re)subscription and holds what comes live meanwhile. Pure, so every
+/// path is tested without sockets.
 #[derive(Debug)]
 pub struct Sequencer {
     next: Option<u64>,
     can_replay: bool,
-    repairing: Option<(u64, u64)>,
+    repairing: Option<(u64, Option<u64>)>,
     held: std::collections::VecDeque<(u64, EventBatch)>,
-    reconnected: bool,
 }
 
 impl Sequencer {
     pub fn new(can_replay: bool) -> Self {
-        Self { next: None, can_replay, repairing: None, held: Default::default(), reconnected: false }
+        Self::resuming(can_replay, None)
+    }
+
+    /// A rank whose entries a peer's snapshot brought, current to `next - 1`.
+    pub fn resuming(can_replay: bool, next: Option<u64>) -> Self {
+        Self { next, can_replay, repairing: None, held: Default::default() }
     }
 
     /// Whether a repair is out.
@@ -114,22 +125,34 @@ impl Sequencer {
         self.repairing.is_some()
     }
 
+    /// The subscription reached the engine for the first time: ask its replay endpoint for
+    /// everything it holds past what the rank already has, without waiting for a live event (an
+    /// idle engine may publish none for a long time).
+    pub fn subscribed(&mut self) -> Vec<Step> {
+        self.warm(self.next.unwrap_or(0))
+    }
+
     /// The engine connection was made again (see [`Dropped::Reconnected`]): what the rank held is
-    /// dropped with the next batch, which starts over as a late join.
-    pub fn reconnected(&mut self) {
+    /// dropped, and it warms up from the engine's replay as on a first subscription.
+    pub fn reconnected(&mut self) -> Vec<Step> {
         self.next = None;
         self.repairing = None;
         self.held.clear();
-        self.reconnected = true;
+        let mut steps = vec![Step::Drop(Dropped::Reconnected)];
+        steps.extend(self.warm(0));
+        steps
+    }
+
+    fn warm(&mut self, from: u64) -> Vec<Step> {
+        if !self.can_replay || self.repairing.is_some() {
+            return Vec::new();
+        }
+        self.repairing = Some((from, None));
+        vec![Step::Repair { from, until: None }]
     }
 
     /// A live batch arrived.
     pub fn live(&mut self, seq: u64, batch: EventBatch) -> Vec<Step> {
-        if std::mem::take(&mut self.reconnected) {
-            let mut steps = vec![Step::Drop(Dropped::Reconnected)];
-            steps.extend(self.live(seq, batch));
-            return steps;
-        }
         if self.repairing.is_some() {
             if self.held.len() < MAX_HELD_BATCHES {
                 self.held.push_back((seq, batch));
@@ -138,7 +161,7 @@ impl Sequencer {
             self.repairing = None;
             self.held.clear();
             self.next = Some(seq.wrapping_add(1));
-            return vec![Step::Drop(Dropped::Overflow), Step::Apply(batch)];
+            return vec![Step::Drop(Dropped::Overflow), Step::Apply { seq, batch, replayed: false }];
         }
         let mut steps = Vec::new();
         match self.next {
@@ -154,37 +177,80 @@ impl Sequencer {
             _ => {}
         }
         self.next = Some(seq.wrapping_add(1));
-        steps.push(Step::Apply(batch));
+        steps.push(Step::Apply { seq, batch, replayed: false });
         steps
     }
 
     fn start_repair(&mut self, from: u64, until: u64, batch: EventBatch) -> Vec<Step> {
-        self.repairing = Some((from, until));
+        self.repairing = Some((from, Some(until)));
         self.held.push_back((until, batch));
         self.next = Some(until.wrapping_add(1));
-        vec![Step::Repair { from, until }]
+        vec![Step::Repair { from, until: Some(until) }]
     }
 
     /// The replay answered (`None`: it failed or timed out): the repaired batches, then what was
     /// held, in order.
     pub fn replayed(&mut self, batches: Option<Vec<(u64, EventBatch)>>) -> Vec<Step> {
         let Some((from, until)) = self.repairing.take() else { return Vec::new() };
+        let apply = |b: Vec<(u64, EventBatch)>| {
+            b.into_iter().map(|(seq, batch)| Step::Apply { seq, batch, replayed: true }).collect::<Vec<_>>()
+        };
         let mut steps = Vec::new();
-        match batches {
-            // Joining late, whatever the buffer still has is better than nothing: what it lost
-            // are stores we never heard of, not removals.
-            Some(b) if from == 0 && b.iter().all(|(s, _)| *s < until) => {
-                steps.extend(b.into_iter().map(|(_, batch)| Step::Apply(batch)));
+        match (until, batches) {
+            (Some(until), b) => {
+                match b {
+                    // Joining late, whatever the buffer still has is better than nothing: what it
+                    // lost are stores we never heard of, not removals.
+                    Some(b) if from == 0 && b.iter().all(|(s, _)| *s < until) => steps.extend(apply(b)),
+                    Some(b)
+                        if b.len() as u64 == until - from && b.iter().zip(from..).all(|((s, _), want)| *s == want) =>
+                    {
+                        steps.extend(apply(b))
+                    }
+                    _ => steps.push(Step::Drop(Dropped::Unrepaired)),
+                }
+                let held = std::mem::take(&mut self.held);
+                self.next = held.front().map(|(s, _)| *s);
+                for (seq, batch) in held {
+                    steps.extend(self.live(seq, batch));
+                }
             }
-            Some(b) if b.len() as u64 == until - from && b.iter().zip(from..).all(|((s, _), want)| *s == want) => {
-                steps.extend(b.into_iter().map(|(_, batch)| Step::Apply(batch)));
+            (None, answer) => {
+                let resuming = from > 0;
+                let failed = answer.is_none();
+                let all = answer.unwrap_or_default();
+                let (first, last) = (all.first().map(|(s, _)| *s), all.last().map(|(s, _)| *s));
+                let fresh = if !resuming {
+                    true
+                } else if failed {
+                    // Nothing says what was missed since the snapshot.
+                    steps.push(Step::Drop(Dropped::Unrepaired));
+                    true
+                } else if last.is_none_or(|l| l < from - 1) {
+                    // A publisher's buffer empties only when it restarts; one whose sequence is
+                    // behind ours restarted too.
+                    steps.push(Step::Drop(Dropped::Restart));
+                    true
+                } else if first.is_some_and(|f| f > from) {
+                    // The buffer no longer reaches back to the batch after ours: a gap.
+                    steps.push(Step::Drop(Dropped::Unrepaired));
+                    true
+                } else {
+                    false
+                };
+                // After a drop the rank starts empty: whatever the buffer holds is better than
+                // nothing (what it lost are stores never heard of, not removals).
+                let keep: Vec<_> = if fresh { all } else { all.into_iter().filter(|(s, _)| *s >= from).collect() };
+                self.next = last.map(|l| l.wrapping_add(1));
+                steps.extend(apply(keep));
+                // What came live meanwhile and the replay already brought is not news.
+                let next = self.next;
+                let held: Vec<_> =
+                    std::mem::take(&mut self.held).into_iter().filter(|(s, _)| next.is_none_or(|n| *s >= n)).collect();
+                for (seq, batch) in held {
+                    steps.extend(self.live(seq, batch));
+                }
             }
-            _ => steps.push(Step::Drop(Dropped::Unrepaired)),
-        }
-        let held = std::mem::take(&mut self.held);
-        self.next = held.front().map(|(s, _)| *s);
-        for (seq, batch) in held {
-            steps.extend(self.live(seq, batch));
         }
         steps
     }
@@ -192,6 +258,10 @@ impl Sequencer {
 
 /// A replay under way: the batches it brought, or `None` when it failed or timed out.
 type Replay = std::pin::Pin<Box<dyn std::future::Future<Output = Option<Vec<(u64, EventBatch)>>> + Send>>;
+
+/// How often the subscriber looks for a new engine connection when nothing arrives: an idle
+/// engine's reconnection is noticed within it, and its replay asked for at once.
+const CONNECTION_CHECK: Duration = Duration::from_millis(50);
 
 /// Runs one subscription forever, reconnecting with backoff.
 pub async fn run(sub: Subscription, app: Arc<App>) {
@@ -216,7 +286,9 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
             }
         }
     };
-    let mut sequencer = Sequencer::new(replay.is_some());
+    // A rank a peer's snapshot brought resumes after the batch it is current to.
+    let mut sequencer = Sequencer::resuming(replay.is_some(), app.resume_point(&sub.worker, sub.rank));
+    let mut seen_connections = 0;
     loop {
         let mut socket = SubSocket::new();
         let connected = match socket.connect(&events).await {
@@ -233,57 +305,60 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
         if first_connection {
             app.stats.subscribed(1);
             first_connection = false;
-        } else {
-            sequencer.reconnected();
         }
-        let mut seen_connections = connections.load(Ordering::Relaxed);
         let mut repair: Option<Replay> = None;
+        let mut check = tokio::time::interval(CONNECTION_CHECK);
         loop {
             // The socket is drained while a repair is out, so neither it nor the engine's
             // high-water mark fills behind a slow replay.
             let event = tokio::select! {
-                message = socket.recv() => Ok(message),
+                message = socket.recv() => Event::Message(message),
                 replayed = async {
                     match repair.as_mut() {
                         Some(f) => f.await,
                         None => std::future::pending().await,
                     }
-                } => Err(replayed),
+                } => Event::Replayed(replayed),
+                _ = check.tick() => Event::Check,
             };
-            let steps = match event {
-                Ok(Ok(message)) => {
-                    let now = connections.load(Ordering::Relaxed);
-                    if now != seen_connections {
-                        seen_connections = now;
-                        sequencer.reconnected();
-                    }
-                    match decode_frames(&message.into_vec()) {
-                        Ok((seq, batch)) => sequencer.live(seq, batch),
-                        Err(e) => {
-                            app.stats.malformed(1);
-                            eprintln!(
-                                "sgl-indexer: {} rank {}: malformed event frames dropped: {e}",
-                                sub.worker, sub.rank
-                            );
-                            continue;
-                        }
-                    }
+            // Every new connection to the engine (its publisher may have restarted) starts the
+            // rank over from the engine's replay; the first one warms it up.
+            let mut steps = Vec::new();
+            let now = connections.load(Ordering::Relaxed);
+            if now != seen_connections {
+                steps = if seen_connections == 0 { sequencer.subscribed() } else { sequencer.reconnected() };
+                seen_connections = now;
+                if steps.iter().any(|s| matches!(s, Step::Repair { .. })) {
+                    repair = None;
                 }
-                Ok(Err(e)) => {
+            }
+            match event {
+                Event::Check => {}
+                Event::Message(Ok(message)) => match decode_frames(&message.into_vec()) {
+                    Ok((seq, batch)) => steps.extend(sequencer.live(seq, batch)),
+                    Err(e) => {
+                        app.stats.malformed(1);
+                        eprintln!("sgl-indexer: {} rank {}: malformed event frames dropped: {e}", sub.worker, sub.rank);
+                    }
+                },
+                Event::Message(Err(e)) => {
                     eprintln!("sgl-indexer: {} rank {}: subscription broke: {e}", sub.worker, sub.rank);
                     break;
                 }
-                Err(replayed) => {
+                Event::Replayed(replayed) => {
                     repair = None;
                     if let Some(batches) = &replayed {
                         app.stats.replayed(batches.len() as u64);
                     }
-                    sequencer.replayed(replayed)
+                    steps.extend(sequencer.replayed(replayed));
                 }
-            };
+            }
             for step in steps {
                 match step {
-                    Step::Apply(batch) => app.apply(&sub.worker, sub.rank, &batch),
+                    Step::Apply { seq, batch, replayed } => {
+                        let source = if replayed { Warmth::Replay } else { Warmth::Live };
+                        app.apply(&sub.worker, sub.rank, seq, &batch, source);
+                    }
                     Step::Drop(why) => {
                         match why {
                             Dropped::Restart => app.stats.restarts(1),
@@ -300,10 +375,13 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
                         app.clear(&sub.worker, Some(sub.rank));
                     }
                     Step::Repair { from, until } => {
-                        if from > 0 {
+                        if from > 0 && until.is_some() {
                             app.stats.gaps(1);
                         }
                         let endpoint = replay.clone().unwrap_or_default();
+                        // A warm start takes the whole buffer: the sequencer reads a restart or a
+                        // gap since a peer's snapshot from what precedes `from`.
+                        let from = if until.is_some() { from } else { 0 };
                         repair = Some(Box::pin(async move {
                             tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(endpoint, from, until))
                                 .await
@@ -317,10 +395,19 @@ pub async fn run(sub: Subscription, app: Arc<App>) {
     }
 }
 
-/// Asks a replay ROUTER for the batches from `from` on; keeps those before `until`. SGLang answers
-/// each batch as `["", topic, seq, payload]` after the DEALER strips the identity, vLLM as
-/// `["", seq, payload]`; both end with seq -1. Bounded in messages and bytes.
-async fn fetch_replay(endpoint: String, from: u64, until: u64) -> Option<Vec<(u64, EventBatch)>> {
+/// What woke a subscription up.
+enum Event {
+    Message(Result<ZmqMessage, zeromq::ZmqError>),
+    Replayed(Option<Vec<(u64, EventBatch)>>),
+    Check,
+}
+
+/// Asks a replay ROUTER for the batches from `from` on; keeps those before `until` (all of them
+/// without one, for a warm start). SGLang answers each batch as `["", topic, seq, payload]` after
+/// the DEALER strips the identity, vLLM as `["", seq, payload]`; both end with seq -1. Bounded in
+/// messages and bytes.
+async fn fetch_replay(endpoint: String, from: u64, until: Option<u64>) -> Option<Vec<(u64, EventBatch)>> {
+    let until = until.unwrap_or(u64::MAX);
     let mut socket = DealerSocket::new();
     socket.connect(&endpoint).await.ok()?;
     let request = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())]).ok()?;
@@ -353,14 +440,18 @@ mod tests {
     }
 
     fn applied(steps: &[Step]) -> Vec<f64> {
-        steps.iter().filter_map(|s| if let Step::Apply(b) = s { Some(b.ts) } else { None }).collect()
+        steps.iter().filter_map(|s| if let Step::Apply { batch, .. } = s { Some(batch.ts) } else { None }).collect()
+    }
+
+    fn repair(from: u64, until: Option<u64>) -> Step {
+        Step::Repair { from, until }
     }
 
     #[test]
     fn a_gap_is_repaired_before_what_came_live_after_it() {
         let mut s = Sequencer::new(true);
         assert_eq!(applied(&s.live(0, b(0.0))), [0.0]);
-        assert_eq!(s.live(3, b(3.0)), [Step::Repair { from: 1, until: 3 }]);
+        assert_eq!(s.live(3, b(3.0)), [repair(1, Some(3))]);
         assert!(s.live(4, b(4.0)).is_empty(), "held while the repair is out");
         let steps = s.replayed(Some(vec![(1, b(1.0)), (2, b(2.0))]));
         assert_eq!(applied(&steps), [1.0, 2.0, 3.0, 4.0]);
@@ -384,7 +475,7 @@ mod tests {
     #[test]
     fn a_late_join_takes_what_the_buffer_still_has() {
         let mut s = Sequencer::new(true);
-        assert_eq!(s.live(5, b(5.0)), [Step::Repair { from: 0, until: 5 }]);
+        assert_eq!(s.live(5, b(5.0)), [repair(0, Some(5))]);
         assert_eq!(applied(&s.replayed(Some(vec![(3, b(3.0)), (4, b(4.0))]))), [3.0, 4.0, 5.0]);
     }
 
@@ -400,16 +491,71 @@ mod tests {
     }
 
     /// A restarted publisher may be past our sequence by the time we reconnect: after a new
-    /// connection the rank starts over from the engine's replay.
+    /// connection the rank starts over from the engine's replay, asked at once.
     #[test]
     fn a_new_connection_drops_the_rank_and_starts_over_from_replay() {
         let mut s = Sequencer::new(true);
         s.live(0, b(0.0));
         s.live(1, b(1.0));
-        s.reconnected();
-        assert_eq!(s.live(5, b(5.0)), [Step::Drop(Dropped::Reconnected), Step::Repair { from: 0, until: 5 }]);
-        assert_eq!(applied(&s.replayed(Some(vec![(4, b(4.0))]))), [4.0, 5.0]);
+        assert_eq!(s.reconnected(), [Step::Drop(Dropped::Reconnected), repair(0, None)]);
+        assert!(s.live(5, b(5.0)).is_empty(), "held behind the warm replay");
+        assert_eq!(applied(&s.replayed(Some(vec![(3, b(3.0)), (4, b(4.0)), (5, b(5.0))]))), [3.0, 4.0, 5.0]);
         assert_eq!(applied(&s.live(6, b(6.0))), [6.0], "and then goes on as usual");
+    }
+
+    /// An idle engine publishes nothing: at subscription its replay buffer is asked at once.
+    #[test]
+    fn a_first_subscription_warms_up_from_the_whole_replay_buffer() {
+        let mut s = Sequencer::new(true);
+        assert_eq!(s.subscribed(), [repair(0, None)]);
+        let steps = s.replayed(Some(vec![(0, b(0.0)), (1, b(1.0))]));
+        assert_eq!(applied(&steps), [0.0, 1.0]);
+        assert!(steps.iter().all(|s| matches!(s, Step::Apply { replayed: true, .. })));
+        assert_eq!(applied(&s.live(2, b(2.0))), [2.0]);
+        let mut quiet = Sequencer::new(true);
+        quiet.subscribed();
+        assert!(quiet.replayed(Some(vec![])).is_empty(), "nothing published yet");
+        assert_eq!(applied(&quiet.live(0, b(0.0))), [0.0]);
+        assert!(Sequencer::new(false).subscribed().is_empty(), "no replay endpoint: live only");
+    }
+
+    /// A peer's snapshot current to batch 4: the replay repairs from 5, or the rank is dropped
+    /// when the buffer no longer reaches back to it, or when the publisher restarted since.
+    #[test]
+    fn resuming_from_a_snapshot_repairs_from_its_sequence_or_drops_the_rank() {
+        let mut s = Sequencer::resuming(true, Some(5));
+        assert_eq!(s.subscribed(), [repair(5, None)]);
+        assert!(s.live(7, b(7.0)).is_empty());
+        let steps = s.replayed(Some(vec![(3, b(3.0)), (4, b(4.0)), (5, b(5.0)), (6, b(6.0))]));
+        assert_eq!(applied(&steps), [5.0, 6.0, 7.0], "only what the snapshot lacked, then what was held");
+        assert!(!steps.iter().any(|s| matches!(s, Step::Drop(_))));
+
+        let mut idle = Sequencer::resuming(true, Some(5));
+        idle.subscribed();
+        assert!(idle.replayed(Some(vec![(3, b(3.0)), (4, b(4.0))])).is_empty(), "nothing new: the view stands");
+        assert_eq!(applied(&idle.live(5, b(5.0))), [5.0]);
+
+        let mut old = Sequencer::resuming(true, Some(5));
+        old.subscribed();
+        let steps = old.replayed(Some(vec![(8, b(8.0)), (9, b(9.0))]));
+        assert_eq!(steps[0], Step::Drop(Dropped::Unrepaired), "batches 5 to 7 are gone from the buffer");
+        assert_eq!(applied(&steps), [8.0, 9.0], "then the rank starts over from what the buffer has");
+
+        for buffer in [vec![], vec![(0, b(0.0)), (1, b(1.0))]] {
+            let mut restarted = Sequencer::resuming(true, Some(5));
+            restarted.subscribed();
+            let steps = restarted.replayed(Some(buffer.clone()));
+            assert_eq!(steps[0], Step::Drop(Dropped::Restart), "{buffer:?}");
+            assert_eq!(applied(&steps).len(), buffer.len());
+        }
+        let mut unanswered = Sequencer::resuming(true, Some(5));
+        unanswered.subscribed();
+        assert_eq!(unanswered.replayed(None), [Step::Drop(Dropped::Unrepaired)]);
+
+        let mut no_replay = Sequencer::resuming(false, Some(5));
+        assert!(no_replay.subscribed().is_empty(), "without replay the snapshot stands");
+        assert_eq!(applied(&no_replay.live(5, b(5.0))), [5.0]);
+        assert_eq!(no_replay.live(9, b(9.0))[0], Step::Drop(Dropped::Unrepaired));
     }
 
     /// A replay that never answers cannot make the rank hold live batches without end.
@@ -423,7 +569,10 @@ mod tests {
         }
         let at_bound = 2 + MAX_HELD_BATCHES as u64;
         let steps = s.live(at_bound, b(9.0));
-        assert_eq!(steps, [Step::Drop(Dropped::Overflow), Step::Apply(b(9.0))]);
+        assert_eq!(
+            steps,
+            [Step::Drop(Dropped::Overflow), Step::Apply { seq: at_bound, batch: b(9.0), replayed: false }]
+        );
         assert!(!s.repairing());
         assert!(s.replayed(Some(vec![(1, b(1.0))])).is_empty(), "a late answer is ignored");
         assert_eq!(applied(&s.live(at_bound + 1, b(10.0))), [10.0]);

@@ -73,6 +73,7 @@ fn start_indexer(events: u16, replay: u16) -> Indexer {
 
 /// Starts the indexer on `config` with `args`; returns once it serves `/metrics`.
 fn spawn_indexer(dir: &Path, config: &Value, args: &[&str]) -> Indexer {
+    std::fs::create_dir_all(dir).unwrap();
     let path = dir.join("router.json");
     std::fs::write(&path, config.to_string()).unwrap();
     let port = free_port();
@@ -437,4 +438,77 @@ fn sglangs_own_publisher_late_join_replay_removal_and_restart() {
     let replayed =
         metrics.lines().find_map(|l| l.strip_prefix("sgl_indexer_replayed_batches_total ")?.parse::<u64>().ok());
     assert!(replayed.is_some_and(|n| n >= 1), "{metrics}");
+}
+
+/// The indexer's configuration for one engine on SGLang's publisher; without `replay` the
+/// indexer knows no replay endpoint for it.
+fn sglang_config(events: u16, replay: Option<u16>) -> Value {
+    let mut worker = json!({"id": "A", "url": "http://127.0.0.1:1", "model": "m",
+                            "kv_events": format!("tcp://127.0.0.1:{events}")});
+    if let Some(replay) = replay {
+        worker["kv_events_replay"] = json!(format!("tcp://127.0.0.1:{replay}"));
+    }
+    json!({
+        "workers": [worker],
+        "prefix_index": {"url": "http://127.0.0.1:9", "block_tokens": 4},
+        "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}
+    })
+}
+
+fn within(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if ok() {
+            return started.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    panic!("{what}: not within {limit:?}");
+}
+
+fn warm_from(indexer: &Indexer) -> Option<String> {
+    let metrics = indexer.metrics();
+    let line = metrics.lines().find(|l| l.starts_with("sgl_indexer_rank_warm{worker=\"A\",rank=\"0\""))?;
+    Some(line.split("from=\"").nth(1)?.split('"').next()?.to_string())
+}
+
+/// An engine that published a prefix and went quiet is not invisible to an indexer started
+/// after it: one that knows the engine's replay endpoint asks it at subscription; one that does
+/// not, started with `--peer`, loads a running indexer's view. SGLang's own publisher throughout.
+#[test]
+fn a_quiet_engines_prefix_is_known_at_once_from_its_replay_or_from_a_peer() {
+    let (events, replay) = (free_port(), free_port());
+    let mut publisher = SglangPublisher::start(events, replay);
+    let dir = std::env::temp_dir().join(format!("sgl-indexer-warm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let first = spawn_indexer(&dir.join("first"), &sglang_config(events, Some(replay)), &[]);
+    let prefix: Vec<u32> = (200..232).collect();
+    wait("the first indexer's subscription", || {
+        publisher.publish(json!([]));
+        warm_from(&first).is_some() || first.metrics().contains("sgl_indexer_batches_total 1")
+    });
+    publisher.publish(json!(sglang_pages(-9_000_000_000_000, None, &prefix)));
+    wait("the prefix in the first indexer", || first.matched(&prefix) == 32);
+    drop(first);
+
+    // The engine is quiet from here on: nothing is published again.
+    let restarted = spawn_indexer(&dir.join("restarted"), &sglang_config(events, Some(replay)), &[]);
+    let took =
+        within("the restarted indexer knows the prefix", Duration::from_secs(3), || restarted.matched(&prefix) == 32);
+    assert_eq!(warm_from(&restarted).as_deref(), Some("replay"), "{took:?}");
+
+    let cold = spawn_indexer(&dir.join("cold"), &sglang_config(events, None), &[]);
+    let peer_url = format!("http://127.0.0.1:{}", restarted.1);
+    let warm = spawn_indexer(&dir.join("peer"), &sglang_config(events, None), &["--peer", &peer_url]);
+    within("the peer-started indexer knows the prefix", Duration::from_secs(3), || warm.matched(&prefix) == 32);
+    assert_eq!(warm_from(&warm).as_deref(), Some("peer"));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(cold.matched(&prefix), 0, "the premise: without replay or a peer the quiet engine stays invisible");
+
+    // The engine speaks again: the peer-started replica goes on from the peer's sequence.
+    let more: Vec<u32> = (232..236).collect();
+    publisher.publish(json!(sglang_pages(-9_000_000_000_000 + 32, Some(-9_000_000_000_000 + 31), &more)));
+    let longer: Vec<u32> = (200..236).collect();
+    wait("the next live batch on the peer-started replica", || warm.matched(&longer) == 36);
+    assert!(warm.metrics().contains("sgl_indexer_unrepaired_gaps_total 0"));
 }
