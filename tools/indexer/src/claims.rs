@@ -24,10 +24,13 @@ struct Claim {
 /// What a query does next.
 #[derive(Debug)]
 pub enum Turn {
-    /// A claim would cover more: wait for its notice until `until_ms`, then match again.
+    /// A claim would cover more: wait for its notice until `until_ms`, then match again. The
+    /// claim is `handle`'s, and shares `shared_blocks` with the query.
     Wait {
         routed: watch::Receiver<bool>,
         until_ms: u64,
+        handle: u64,
+        shared_blocks: usize,
     },
     Go,
 }
@@ -65,11 +68,16 @@ impl Claims {
         let claims = open.entry(model.to_string()).or_default();
         claims.retain(|c| c.until_ms > now_ms);
         if may_wait {
-            let shared = |c: &Claim| c.keys.iter().zip(keys.iter()).take_while(|(a, b)| a == b).count() as u64;
-            let best_claim = claims.iter().map(|c| (shared(c) * self.block_tokens, c)).max_by_key(|(s, _)| *s);
-            if let Some((shared_tokens, claim)) = best_claim {
-                if shared_tokens >= best_tokens.saturating_add(gain) {
-                    return Turn::Wait { routed: claim.routed.subscribe(), until_ms: claim.until_ms };
+            let shared = |c: &Claim| c.keys.iter().zip(keys.iter()).take_while(|(a, b)| a == b).count();
+            let best_claim = claims.iter().map(|c| (shared(c), c)).max_by_key(|(s, _)| *s);
+            if let Some((shared_blocks, claim)) = best_claim {
+                if shared_blocks as u64 * self.block_tokens >= best_tokens.saturating_add(gain) {
+                    return Turn::Wait {
+                        routed: claim.routed.subscribe(),
+                        until_ms: claim.until_ms,
+                        handle: claim.handle,
+                        shared_blocks,
+                    };
                 }
             }
         }
@@ -79,6 +87,29 @@ impl Claims {
             claims.push(Claim { handle, keys: Arc::clone(keys), until_ms: now_ms + self.window_ms, routed });
         }
         Turn::Go
+    }
+
+    /// Whether a query of `keys` that already matched `best_tokens` could wait on a claim or
+    /// open one: only then is a replica's arbiter asked.
+    pub fn could_matter(&self, model: &str, keys: usize, best_tokens: u64) -> bool {
+        self.min_gain
+            .get(model)
+            .is_some_and(|gain| (keys as u64 * self.block_tokens).saturating_sub(best_tokens) >= *gain)
+    }
+
+    /// Another replica's claim this one's queries wait on: its notice reaches every replica, and
+    /// wakes them here. Opens it unless it is open already.
+    pub fn mirror(&self, model: &str, handle: u64, keys: Arc<[u64]>, until_ms: u64) -> watch::Receiver<bool> {
+        let Ok(mut open) = self.open.lock() else { return watch::channel(true).1 };
+        let claims = open.entry(model.to_string()).or_default();
+        if let Some(claim) = claims.iter().find(|c| c.handle == handle) {
+            return claim.routed.subscribe();
+        }
+        let (routed, receiver) = watch::channel(false);
+        if claims.len() < MAX_CLAIMS_PER_MODEL {
+            claims.push(Claim { handle, keys, until_ms, routed });
+        }
+        receiver
     }
 
     /// The notice for `handle` arrived (its speculative entries are in): wake whoever waits on it.
@@ -116,10 +147,11 @@ mod tests {
         let c = claims();
         assert!(matches!(c.turn("m", &keys(0..100), 0, Some(1), true, 1000), Turn::Go));
         // Shares 10 blocks = 160 tokens with claim 1, beyond its own (empty) match by ≥ 64.
-        let Turn::Wait { routed, until_ms } = c.turn("m", &keys(0..10), 0, Some(2), true, 1001) else {
+        let Turn::Wait { routed, until_ms, handle, shared_blocks } = c.turn("m", &keys(0..10), 0, Some(2), true, 1001)
+        else {
             panic!("expected to wait")
         };
-        assert_eq!(until_ms, 1020);
+        assert_eq!((until_ms, handle, shared_blocks), (1020, 1, 10));
         assert!(!*routed.borrow());
         c.routed(1);
         assert!(*routed.borrow(), "the notice wakes the waiter");

@@ -25,6 +25,7 @@ use sgl_envoy_router::protocol::indexer::{
 
 use crate::events::Medium;
 use crate::index::EngineMatch;
+use crate::replicas::{ClaimRequest, Registration, CLAIM_PATH, HANDLES_PATH};
 use crate::state::App;
 use crate::tokenize::TokenizeError;
 use tower_http::catch_panic::{CatchPanicLayer, ResponseForPanic};
@@ -47,6 +48,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route(ROUTED_PATH, post(routed))
         // The whole view, for a replica starting after this one: as privileged as a write.
         .route(SNAPSHOT_PATH, get(snapshot))
+        // Replicas agreeing claims and handles (see `replicas`).
+        .route(CLAIM_PATH, post(peer_claim))
+        .route(HANDLES_PATH, post(peer_handles))
         .route_layer(axum::middleware::from_fn_with_state(Arc::clone(&app), require_token));
     Router::new()
         .merge(writes)
@@ -208,6 +212,21 @@ async fn routed(State(app): State<Arc<App>>, body: Bytes) -> Response {
             app.stats.routed_refused.fetch_add(1, Ordering::Relaxed);
             (StatusCode::NOT_FOUND, "unknown or expired handle, or a worker of another model").into_response()
         }
+    }
+}
+
+async fn peer_claim(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<ClaimRequest>(&body) {
+        Ok(request) if app.serves(&request.model) => Json(app.arbitrate_for_peer(request)).into_response(),
+        Ok(request) => error(&app, StatusCode::NOT_FOUND, format!("model `{}` is not configured", request.model)),
+        Err(e) => error(&app, StatusCode::BAD_REQUEST, format!("not a claim: {e}")),
+    }
+}
+
+async fn peer_handles(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<Vec<Registration>>(&body) {
+        Ok(registrations) => Json(json!({"added": app.register_handles(registrations)})).into_response(),
+        Err(e) => error(&app, StatusCode::BAD_REQUEST, format!("not registrations: {e}")),
     }
 }
 

@@ -16,6 +16,7 @@ pub mod events;
 pub mod http;
 pub mod index;
 pub mod relay;
+pub mod replicas;
 pub mod snapshot;
 pub mod state;
 pub mod subscriber;

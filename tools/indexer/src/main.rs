@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use sgl_envoy_router::config;
+use sgl_indexer::replicas::Replicas;
 use sgl_indexer::snapshot::Snapshot;
 use sgl_indexer::state::{App, MemoryBudget, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_MEMORY_MB};
 use sgl_indexer::{http, subscriber};
@@ -42,6 +43,10 @@ struct Args {
     /// engines are subscribed, and each rank repaired from where the peer was by replay.
     #[arg(long)]
     peer: Option<String>,
+    /// This indexer's URL in `prefix_index.urls`, when its `--listen` address does not say which
+    /// it is (the replicas agree claims and handles among themselves).
+    #[arg(long)]
+    advertise: Option<String>,
 }
 
 /// How long fetching a peer's snapshot may take before the indexer starts cold.
@@ -109,8 +114,16 @@ async fn main() -> ExitCode {
     if let Some(pages) = args.max_pages {
         budget.index_pages = pages.max(1);
     }
+    let replicas = Replicas::new(&config, args.listen, args.advertise.as_deref());
+    let replica_count = config.prefix_index.as_ref().map_or(0, |p| p.endpoints().len());
+    if replica_count > 1 && replicas.me().is_none() {
+        eprintln!(
+            "sgl-indexer: {} is not one of prefix_index.urls (pass --advertise URL): claims are not agreed with the others",
+            args.listen
+        );
+    }
     let app = match App::load(config, budget) {
-        Ok(app) => Arc::new(app.with_max_concurrent(args.max_concurrent)),
+        Ok(app) => Arc::new(app.with_max_concurrent(args.max_concurrent).with_replicas(replicas.start())),
         Err(e) => {
             eprintln!("sgl-indexer: {e}");
             return ExitCode::from(1);

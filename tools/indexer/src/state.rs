@@ -12,6 +12,7 @@ use sgl_envoy_router::config::{CacheSourceKind, RouterConfig};
 use crate::claims::{Claims, Turn};
 use crate::events::EventBatch;
 use crate::index::{block_keys, Counters, EngineMatch, Index};
+use crate::replicas::{ClaimAnswer, ClaimRequest, Registration, Replicas};
 use crate::snapshot::{self, PageView, RankView, Snapshot};
 use crate::tokenize::{ModelTokenizer, TokenizeError};
 
@@ -72,6 +73,16 @@ fn claim_window_ms(config: &RouterConfig) -> u64 {
     config.prefix_index.as_ref().map_or(25, |p| p.timeout_ms / 2)
 }
 
+/// Where this process numbers its handles from: 24 random high bits, so the handles of replicas
+/// (which every replica may be told of) do not collide, and 2^40 matches before they could.
+fn first_handle() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_ms());
+    h.write_u32(std::process::id());
+    h.finish() & !((1u64 << 40) - 1)
+}
+
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
@@ -106,6 +117,10 @@ pub struct Stats {
     pub shed: AtomicU64,
     /// Tokenizations given up past their deadline.
     pub abandoned: AtomicU64,
+    /// Handle registrations for peers dropped because the outbox was full.
+    pub registrations_dropped: AtomicU64,
+    /// Claims decided here because the replica arbitrating them did not answer.
+    pub arbiter_failures: AtomicU64,
 }
 
 macro_rules! counter {
@@ -178,6 +193,8 @@ pub struct App {
     /// How long a caller waits for an answer: the filter's `timeout_ms`.
     patience: Duration,
     claims: Claims,
+    /// The other indexers of `prefix_index.urls`, with which claims and handles are agreed.
+    replicas: Arc<Replicas>,
     tokenizers: HashMap<String, ModelTokenizer>,
     next_handle: AtomicU64,
     pub stats: Stats,
@@ -240,6 +257,7 @@ impl App {
             .collect();
         Self {
             claims: Claims::new(claim_window_ms(&config), block_tokens, min_gain),
+            replicas: Arc::new(Replicas::none()),
             block_tokens,
             indexes: Mutex::new(indexes),
             ranks: Mutex::default(),
@@ -249,7 +267,7 @@ impl App {
             work: tokio::sync::Semaphore::new(DEFAULT_MAX_CONCURRENT),
             patience: Duration::from_millis(config.prefix_index.as_ref().map_or(50, |p| p.timeout_ms).max(1)),
             tokenizers: HashMap::new(),
-            next_handle: AtomicU64::new(now_ms() << 16),
+            next_handle: AtomicU64::new(first_handle()),
             stats: Stats::default(),
             config,
         }
@@ -257,6 +275,12 @@ impl App {
 
     fn with_index<R>(&self, model: &str, f: impl FnOnce(&mut Index) -> R) -> Option<R> {
         lock(&self.indexes).get_mut(model).map(f)
+    }
+
+    /// Agrees claims and handles with these replicas.
+    pub fn with_replicas(mut self, replicas: Arc<Replicas>) -> Self {
+        self.replicas = replicas;
+        self
     }
 
     /// At most `permits` queries tokenize or match at once.
@@ -402,8 +426,21 @@ impl App {
         let best = |m: &[(String, EngineMatch)]| m.first().map_or(0, |(_, m)| m.matched_tokens);
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let claim_as = will_notify.then_some(handle);
-        if let Turn::Wait { mut routed, until_ms } =
-            self.claims.turn(model, &keys, best(&matches), claim_as, true, now_ms())
+        // A notice adds at most MAX_ROUTED_BLOCKS blocks: the handle keeps no more keys than that.
+        let kept: Arc<[u64]> =
+            if keys.len() > MAX_ROUTED_BLOCKS { keys[..MAX_ROUTED_BLOCKS].into() } else { Arc::clone(&keys) };
+        if will_notify {
+            // Known before any claim opens under it, here and (soon) at every peer.
+            self.remember_handle(handle, model, Arc::clone(&kept));
+            if self.replicas.has_peers() {
+                let registration = Registration { handle, model: model.to_string(), keys: kept.to_vec() };
+                if !self.replicas.register(registration) {
+                    self.stats.registrations_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        if let Turn::Wait { mut routed, until_ms, .. } =
+            self.arbitrate(model, &keys, best(&matches), claim_as, true).await
         {
             self.stats.claim_waits.fetch_add(1, Ordering::Relaxed);
             let window = Duration::from_millis(until_ms.saturating_sub(now_ms()));
@@ -411,7 +448,7 @@ impl App {
                 self.stats.claim_waits_unrouted.fetch_add(1, Ordering::Relaxed);
             }
             matches = self.matches(model, &keys)?;
-            self.claims.turn(model, &keys, best(&matches), claim_as, false, now_ms());
+            self.arbitrate(model, &keys, best(&matches), claim_as, false).await;
         }
         match matches.first() {
             None => self.stats.misses.fetch_add(1, Ordering::Relaxed),
@@ -420,17 +457,96 @@ impl App {
             }
             Some(_) => self.stats.hits_speculative.fetch_add(1, Ordering::Relaxed),
         };
-        // A notice adds at most MAX_ROUTED_BLOCKS blocks: the handle keeps no more keys than that.
-        let kept: Arc<[u64]> = if keys.len() > MAX_ROUTED_BLOCKS { keys[..MAX_ROUTED_BLOCKS].into() } else { keys };
+        if !will_notify {
+            self.remember_handle(handle, model, kept);
+        }
+        Some((matches, handle))
+    }
+
+    /// Keeps a handle a routed notice may name, within the handles' share of the budget.
+    fn remember_handle(&self, handle: u64, model: &str, keys: Arc<[u64]>) {
         let mut handles = lock(&self.handles);
-        let entry = (handle, model.to_string(), kept);
+        let entry = (handle, model.to_string(), keys);
         handles.bytes += handle_bytes(&entry);
         handles.recent.push_back(entry);
         while handles.bytes > self.budget.handle_bytes {
             let Some(old) = handles.recent.pop_front() else { break };
             handles.bytes -= handle_bytes(&old);
         }
-        Some((matches, handle))
+    }
+
+    /// Whether the query waits on a claim, or may open one (see `claims`): asked of the replica
+    /// that arbitrates claims (see `replicas`), this one when it does or no other answers.
+    async fn arbitrate(
+        &self,
+        model: &str,
+        keys: &Arc<[u64]>,
+        best: u64,
+        claim_as: Option<u64>,
+        may_wait: bool,
+    ) -> Turn {
+        if let Some(arbiter) = self.replicas.arbiter().filter(|_| self.claims.could_matter(model, keys.len(), best)) {
+            let request = ClaimRequest {
+                model: model.to_string(),
+                keys: keys[..keys.len().min(MAX_ROUTED_BLOCKS)].to_vec(),
+                best_tokens: best,
+                handle: claim_as,
+                may_wait,
+            };
+            match self.replicas.claim(arbiter, &request).await {
+                Ok(ClaimAnswer::Go) => return Turn::Go,
+                Ok(ClaimAnswer::Wait { handle, shared_blocks, wait_ms }) => {
+                    // The notice for that claim reaches this replica too: it wakes the wait here.
+                    let shared: Arc<[u64]> = keys[..shared_blocks.min(keys.len())].into();
+                    let until_ms = now_ms() + wait_ms.min(self.patience.as_millis() as u64);
+                    if !self.knows_handle(handle) {
+                        self.remember_handle(handle, model, Arc::clone(&shared));
+                    }
+                    let routed = self.claims.mirror(model, handle, shared, until_ms);
+                    return Turn::Wait { routed, until_ms, handle, shared_blocks };
+                }
+                Err(e) => {
+                    self.stats.arbiter_failures.fetch_add(1, Ordering::Relaxed);
+                    eprintln!("sgl-indexer: the claims' arbiter did not answer ({e}); deciding here");
+                }
+            }
+        }
+        self.claims.turn(model, keys, best, claim_as, may_wait, now_ms())
+    }
+
+    fn knows_handle(&self, handle: u64) -> bool {
+        lock(&self.handles).recent.iter().any(|(id, _, _)| *id == handle)
+    }
+
+    /// A peer's query asks this replica, its arbiter, about a claim.
+    pub fn arbitrate_for_peer(&self, request: ClaimRequest) -> ClaimAnswer {
+        let keys: Arc<[u64]> = request.keys.into();
+        if let Some(handle) = request.handle {
+            if !self.knows_handle(handle) {
+                self.remember_handle(handle, &request.model, Arc::clone(&keys));
+            }
+        }
+        let now = now_ms();
+        match self.claims.turn(&request.model, &keys, request.best_tokens, request.handle, request.may_wait, now) {
+            Turn::Go => ClaimAnswer::Go,
+            Turn::Wait { until_ms, handle, shared_blocks, .. } => {
+                ClaimAnswer::Wait { handle, shared_blocks, wait_ms: until_ms.saturating_sub(now) }
+            }
+        }
+    }
+
+    /// Matches a peer will send routed notices for: a notice reaching this replica adds the same
+    /// speculative entries it adds there.
+    pub fn register_handles(&self, registrations: Vec<Registration>) -> usize {
+        let mut added = 0;
+        for r in registrations.into_iter().take(crate::replicas::OUTBOX) {
+            if self.serves(&r.model) && !self.knows_handle(r.handle) {
+                let keys: Arc<[u64]> = r.keys[..r.keys.len().min(MAX_ROUTED_BLOCKS)].into();
+                self.remember_handle(r.handle, &r.model, keys);
+                added += 1;
+            }
+        }
+        added
     }
 
     /// A router sent the request behind `handle` to `worker`. `false` when the handle is unknown
@@ -472,7 +588,17 @@ impl App {
             ("sgl_indexer_handle_bytes", "what the match handles hold", self.handle_bytes() as u64),
             ("sgl_indexer_max_pages", "the index's page limit, from the memory budget", self.budget.index_pages as u64),
         ];
-        let counters: [(&str, &str, &AtomicU64); 22] = [
+        let counters: [(&str, &str, &AtomicU64); 24] = [
+            (
+                "sgl_indexer_registrations_dropped_total",
+                "match handles not registered with peers because the outbox was full",
+                &s.registrations_dropped,
+            ),
+            (
+                "sgl_indexer_arbiter_failures_total",
+                "claims decided here because the replica arbitrating them did not answer",
+                &s.arbiter_failures,
+            ),
             ("sgl_indexer_batches_total", "event batches applied", &s.batches),
             ("sgl_indexer_malformed_total", "event frames dropped as malformed", &s.malformed),
             ("sgl_indexer_gaps_total", "sequence gaps seen", &s.gaps),

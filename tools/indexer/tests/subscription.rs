@@ -73,10 +73,13 @@ fn start_indexer(events: u16, replay: u16) -> Indexer {
 
 /// Starts the indexer on `config` with `args`; returns once it serves `/metrics`.
 fn spawn_indexer(dir: &Path, config: &Value, args: &[&str]) -> Indexer {
+    spawn_indexer_on(free_port(), dir, config, args)
+}
+
+fn spawn_indexer_on(port: u16, dir: &Path, config: &Value, args: &[&str]) -> Indexer {
     std::fs::create_dir_all(dir).unwrap();
     let path = dir.join("router.json");
     std::fs::write(&path, config.to_string()).unwrap();
-    let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_sgl-indexer"))
         .args(["--config", path.to_str().unwrap(), "--listen", &format!("127.0.0.1:{port}")])
         .args(args)
@@ -511,4 +514,78 @@ fn a_quiet_engines_prefix_is_known_at_once_from_its_replay_or_from_a_peer() {
     let longer: Vec<u32> = (200..236).collect();
     wait("the next live batch on the peer-started replica", || warm.matched(&longer) == 36);
     assert!(warm.metrics().contains("sgl_indexer_unrepaired_gaps_total 0"));
+}
+
+fn post_with(indexer: &Indexer, path: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Value) {
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut request = agent.post(&indexer.url(path)).header("content-type", "application/json");
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let mut r = request.send(body.to_string()).unwrap();
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap_or_default();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+/// Two replicas agree a claim: a query reaching the second opens it at the first (the arbiter),
+/// a concurrent query sharing the prefix on the first waits on it, and the routed notice — sent
+/// to both, as the filter sends it — wakes it with the claim's engine matched, on both.
+#[test]
+fn replicas_agree_claims_and_routed_notices_land_everywhere() {
+    let (a_port, b_port) = (free_port(), free_port());
+    let config = json!({
+        "workers": [{"id": "A", "url": "http://127.0.0.1:1", "model": "m"},
+                    {"id": "B", "url": "http://127.0.0.1:2", "model": "m"}],
+        "prefix_index": {"urls": [format!("http://127.0.0.1:{a_port}"), format!("http://127.0.0.1:{b_port}")],
+                         "block_tokens": 4, "timeout_ms": 400},
+        "models": {"m": {"buckets": [{"id": "b", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}}
+    });
+    let dir = std::env::temp_dir().join(format!("sgl-indexer-replicas-{}", std::process::id()));
+    let a = spawn_indexer_on(a_port, &dir.join("a"), &config, &[]);
+    let b = spawn_indexer_on(b_port, &dir.join("b"), &config, &[]);
+    // Each order: the claim opened through the arbiter and waited on at it, then opened at the
+    // arbiter and waited on at the other replica (which mirrors it until the notice arrives).
+    for (round, (first_at, second_at)) in [(&b, &a), (&a, &b)].into_iter().enumerate() {
+        let start = 5000 + 10_000 * round as u32;
+        let prefix: Vec<u32> = (start..start + 2048).collect();
+        let notify = [("x-sgl-routed-notice", "1")];
+        let query = json!({"model": "m", "token_ids": prefix});
+        let (status, first) = post_with(first_at, "/query", &query, &notify);
+        assert_eq!(status, 200, "{first}");
+        assert!(first["data"].as_object().unwrap().is_empty(), "a new prefix: {first}");
+        let handle = first["handle"].as_str().unwrap().to_string();
+        // The second query reaches the other replica while the first is being routed.
+        let waiting = std::thread::spawn({
+            let url = second_at.url("/query");
+            let query = query.clone();
+            move || {
+                let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+                let started = Instant::now();
+                let mut r = agent
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .header("x-sgl-routed-notice", "1")
+                    .send(query.to_string())
+                    .unwrap();
+                let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+                (v, started.elapsed())
+            }
+        });
+        std::thread::sleep(Duration::from_millis(60));
+        let notice = json!({"handle": handle, "worker": "B"});
+        for replica in [&a, &b] {
+            assert_eq!(post_with(replica, "/v1/prefix/routed", &notice, &[]).0, 204, "round {round}: both know it");
+        }
+        let (second, waited) = waiting.join().unwrap();
+        assert_eq!(second["data"]["B"]["matched_tokens"], 2048, "round {round}, the claim's engine: {second}");
+        assert!(waited >= Duration::from_millis(50), "round {round}: it waited for the notice: {waited:?}");
+        for replica in [&a, &b] {
+            let (_, v) = post_with(replica, "/query", &json!({"model": "m", "token_ids": prefix}), &[]);
+            assert_eq!(v["data"]["B"]["matched_tokens"], 2048, "round {round}: {v}");
+        }
+    }
+    for replica in [&a, &b] {
+        assert!(replica.metrics().contains("sgl_indexer_claim_waits_total 1"), "{}", replica.metrics());
+    }
 }
