@@ -50,6 +50,7 @@ fn loads(ws: &[Arc<Engine>]) -> LoadSnapshot {
                 prefill_tokens_per_ms: None,
                 reported_at_ms: 0,
                 dispatches_at_report: 0,
+                rank_loads: Vec::new(),
             },
         )
     }))

@@ -43,6 +43,7 @@ pub fn native_load(running: u64, waiting: u64) -> EngineLoad {
         prefill_tokens_per_ms: None,
         reported_at_ms: 0,
         dispatches_at_report: 0,
+        rank_loads: Vec::new(),
     }
 }
 

@@ -32,8 +32,9 @@ pub struct AppContext {
     upstream: UpstreamHeader,
     /// Models with a cache-aware group: their prompts feed the prefix index.
     prefix_models: HashSet<String>,
-    /// Models with a PD bucket: their requests keep a copy of the body for the bootstrap rewrite.
-    pd_models: HashSet<String>,
+    /// Models with a PD bucket or an engine of several data-parallel ranks: their requests keep a
+    /// copy of the body for the rewrite (bootstrap fields, `routed_dp_rank`).
+    rewriting_models: HashSet<String>,
     /// Shared with each request's filter context, which reads it while calling the host.
     headers: Arc<ProtectedHeaders>,
     /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
@@ -47,10 +48,13 @@ impl AppContext {
     pub fn new(config: RouterConfig, handles: StateHandles) -> Self {
         let resolvers = build_resolvers(&config, &handles);
         let prefix_models = prefix_budgets(&config).0.into_keys().collect();
-        let pd_models = config
+        let rewriting_models = config
             .models
             .iter()
-            .filter(|(_, m)| m.buckets.iter().any(|b| matches!(b.groups, GroupsConfig::Pd(_))))
+            .filter(|(name, m)| {
+                m.buckets.iter().any(|b| matches!(b.groups, GroupsConfig::Pd(_)))
+                    || config.workers.iter().any(|w| &w.model == *name && w.dp_size > 1)
+            })
             .map(|(name, _)| name.clone())
             .collect();
         let breakers = config
@@ -82,7 +86,7 @@ impl AppContext {
             breakers,
             upstream,
             prefix_models,
-            pd_models,
+            rewriting_models,
         }
     }
 
@@ -227,8 +231,8 @@ impl AppContext {
             session_key: key(&model.session_id_header),
             routing_key: key(&model.routing_key_header),
         };
-        // Only a PD pick rewrites the body, from its own parse of it.
-        let body = self.pd_models.contains(&facts.model).then(|| body.to_vec());
+        // Only a PD pick, or one naming a data-parallel rank, rewrites the body, from its own parse.
+        let body = self.rewriting_models.contains(&facts.model).then(|| body.to_vec());
         Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, indexer_call })
     }
 
@@ -241,6 +245,7 @@ impl AppContext {
             random: self.handles.random.as_ref(),
             prefill_timeout_ms: self.config.pd.prefill_timeout_ms,
             indexer: self.indexer.as_deref(),
+            load: self.handles.load.as_ref(),
         };
         generation::decide(ticket, &wiring)
     }

@@ -274,8 +274,8 @@ impl IndexerClient {
 
     /// The fire-and-forget notices that `worker` got the request behind `handle`: one to every
     /// replica, so speculative entries and claims agree wherever the next query lands.
-    pub fn routed_notices(&self, handle: &str, worker: &str) -> Vec<CalloutRequest> {
-        let notice = RoutedNotice { handle: handle.into(), worker: worker.into() };
+    pub fn routed_notices(&self, handle: &str, worker: &str, dp_rank: Option<u32>) -> Vec<CalloutRequest> {
+        let notice = RoutedNotice { handle: handle.into(), worker: worker.into(), dp_rank };
         let Some(body) = serde_json::to_vec(&notice).ok().map(Arc::new) else { return Vec::new() };
         self.replicas
             .all
@@ -337,7 +337,7 @@ mod tests {
         let c = IndexerClient::new(one("c", "h:1"), 50, 8, token, IndexerApi::Sgl);
         let at_limit = c.match_chat(&vec![b' '; MAX_INDEXER_BODY_BYTES]).unwrap().take_request(0).unwrap();
         let tokens = c.match_tokens("m", &[1, 2]).unwrap().take_request(0).unwrap();
-        let notices = c.routed_notices("1", "A");
+        let notices = c.routed_notices("1", "A", None);
         for request in [&at_limit, &tokens, &notices[0]] {
             assert!(request.headers.contains(&("x-indexer-token".into(), "s3cret".into())), "{}", request.path);
         }
@@ -362,7 +362,7 @@ mod tests {
 
     #[test]
     fn a_routed_notice_names_the_handle_and_the_engine_and_goes_to_every_replica() {
-        let notices = two().routed_notices("7", "A");
+        let notices = two().routed_notices("7", "A", None);
         let clusters: Vec<&str> = notices.iter().map(|n| n.cluster.as_str()).collect();
         assert_eq!(clusters, ["i0", "i1"]);
         for notice in &notices {
@@ -370,7 +370,7 @@ mod tests {
             let body: RoutedNotice = serde_json::from_slice(notice.body.as_deref().unwrap()).unwrap();
             assert_eq!((&*body.handle, &*body.worker), ("7", "A"));
         }
-        assert_eq!(client(1).routed_notices("7", "A").len(), 1);
+        assert_eq!(client(1).routed_notices("7", "A", None).len(), 1);
     }
 
     /// A replica that fails hands the call to the next with what is left of the one budget, and

@@ -401,19 +401,23 @@ impl RequestLife {
         let (name, value) = mem::take(&mut decision.upstream_header);
         out.push(Action::SetRequestHeader(name, value));
         out.push(Action::ClearRouteCache);
+        // The headers are still held, so a rewritten body keeps a length: dropping it would send
+        // every request chunked.
+        let replace_body = |body: Arc<Vec<u8>>, out: &mut Actions| {
+            out.push(Action::SetRequestHeader("content-length".to_string(), body.len().to_string()));
+            out.push(Action::ReplaceRequestBody { size: held.body_size, body });
+        };
         let Some(pd) = decision.pd.as_mut() else {
+            if let Some(body) = decision.body.take() {
+                replace_body(Arc::new(body), out);
+            }
             return self.route(app, Exchange::new(decision), None, out);
         };
         // A header value that is not UTF-8 cannot be put on a callout; it is left out.
         let client =
             held.headers.into_iter().filter_map(|(name, value)| Some((name, String::from_utf8(value).ok()?))).collect();
-        let mut request = pd.take_prefill_request(forwarded_headers(client, app.headers().stripped()));
-        let body = request.body.take().unwrap_or_default();
-        // The headers are still held, so the rewritten body keeps a length: dropping it would send
-        // every request chunked.
-        out.push(Action::SetRequestHeader("content-length".to_string(), body.len().to_string()));
-        out.push(Action::ReplaceRequestBody { size: held.body_size, body: Arc::clone(&body) });
-        request.body = Some(body);
+        let (request, upstream_body) = pd.take_requests(forwarded_headers(client, app.headers().stripped()));
+        replace_body(upstream_body, out);
         out.push(Action::Dispatch(request));
         self.state = State::DispatchingPrefill(Box::new(Dispatching { exchange: Exchange::new(decision) }));
     }
@@ -709,6 +713,66 @@ mod tests {
 
     fn answer(data: Value) -> Vec<u8> {
         json!({"data": data, "handle": "42"}).to_string().into_bytes()
+    }
+
+    fn body_of(actions: &[Action]) -> Option<Value> {
+        actions.iter().find_map(|a| match a {
+            Action::ReplaceRequestBody { body, .. } => serde_json::from_slice(body).ok(),
+            _ => None,
+        })
+    }
+
+    /// An engine of two data-parallel ranks whose rank 1 holds the prompt: the body sent to it
+    /// names rank 1, plain and in PD (where the decode engine, holding no prefix and with no load
+    /// report, is left to balance itself), and the routed notice names the rank too.
+    #[test]
+    fn the_rank_holding_the_prefix_is_named_in_the_body() {
+        let mut a = engine("A", 1, "plain");
+        a["dp_size"] = json!(2);
+        let app = app(json!({
+            "workers": [a, engine("B", 2, "plain")],
+            "prefix_index": {"url": "http://10.0.0.9:9100", "timeout_ms": 50},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "cache_aware", "source": "remote"}}}}]}},
+        }));
+        let (mut life, _) = send(&app, "/v1/completions", &tokens());
+        let mut out = Vec::new();
+        life.on_dispatched(&app, Ok(7), &mut out);
+        let body = answer(json!({"A": {"matched_tokens": 2048, "ranks": {"0": 16, "1": 2048}}}));
+        life.on_callout_answer(&app, 7, Some(200), &mut || body.clone(), &mut out);
+        let actions = visible(&mut out);
+        assert_eq!(upstream(&actions), Some("sgl_A"), "{actions:?}");
+        assert_eq!(body_of(&actions).unwrap()["routed_dp_rank"], 1);
+        let notice = actions.iter().find_map(|a| match a {
+            Action::Notify(n) => serde_json::from_slice::<Value>(n.body.as_deref().unwrap()).ok(),
+            _ => None,
+        });
+        assert_eq!(notice.unwrap()["dp_rank"], 1);
+
+        let (mut p, mut d) = (engine("P", 1, "prefill"), engine("D", 2, "decode"));
+        p["dp_size"] = json!(2);
+        d["dp_size"] = json!(2);
+        let app = self::app(json!({
+            "workers": [p, d],
+            "prefix_index": {"url": "http://10.0.0.9:9100", "timeout_ms": 50},
+            "models": {"m": {"buckets": [{"id": "pd", "groups": {"pd": {
+                "prefill": {"policy": {"type": "cache_aware", "source": "remote"}},
+                "decode": {"policy": {"type": "round_robin"}},
+            }}}]}},
+        }));
+        let (mut life, _) = send(&app, "/v1/completions", &tokens());
+        life.on_dispatched(&app, Ok(7), &mut out);
+        let body = answer(json!({"P": {"matched_tokens": 2048, "ranks": {"1": 2048}}}));
+        life.on_callout_answer(&app, 7, Some(200), &mut || body.clone(), &mut out);
+        let actions = visible(&mut out);
+        let decode_body = body_of(&actions).unwrap();
+        let prefill = actions.iter().find_map(|a| match a {
+            Action::Dispatch(r) => serde_json::from_slice::<Value>(r.body.as_deref().unwrap()).ok(),
+            _ => None,
+        });
+        let prefill = prefill.unwrap();
+        assert_eq!(prefill["routed_dp_rank"], 1, "{prefill}");
+        assert!(decode_body.get("routed_dp_rank").is_none(), "{decode_body}");
+        assert_eq!(prefill["bootstrap_room"], decode_body["bootstrap_room"], "one room for both");
     }
 
     #[test]

@@ -161,7 +161,7 @@ impl CacheSource for LocalCacheSource {
                 .into_iter()
                 .map(|m| {
                     let tokens = m.matched_bytes / self.bytes_per_token;
-                    PrefixHit { engine: m.worker, matched_tokens: tokens, gpu_tokens: tokens }
+                    PrefixHit { engine: m.worker, matched_tokens: tokens, gpu_tokens: tokens, ranks: Vec::new() }
                 })
                 .collect(),
         ))
@@ -491,7 +491,12 @@ mod tests {
         fn matches(m: &[(&str, u64)]) -> Arc<Self> {
             let matches = m
                 .iter()
-                .map(|(w, tokens)| PrefixHit { engine: w.to_string(), matched_tokens: *tokens, gpu_tokens: *tokens })
+                .map(|(w, tokens)| PrefixHit {
+                    engine: w.to_string(),
+                    matched_tokens: *tokens,
+                    gpu_tokens: *tokens,
+                    ranks: Vec::new(),
+                })
                 .collect();
             Arc::new(Self { answer: CacheLookup::Matches(Cow::Owned(matches)), lookups: AtomicUsize::new(0) })
         }
@@ -818,7 +823,7 @@ mod tests {
     #[test]
     fn the_remote_source_reads_the_requests_indexer_answer() {
         use crate::protocol::indexer::IndexerMatch;
-        let hits = vec![PrefixHit { engine: "A".into(), matched_tokens: 5, gpu_tokens: 5 }];
+        let hits = vec![PrefixHit { engine: "A".into(), matched_tokens: 5, gpu_tokens: 5, ranks: Vec::new() }];
         let answered: crate::protocol::indexer::IndexerAnswer =
             Ok(IndexerMatch { input_tokens: 9, hits: hits.clone(), handle: None });
         let failed: crate::protocol::indexer::IndexerAnswer = Err("late".into());

@@ -48,6 +48,9 @@ pub struct EngineEntry {
     pub disk: u64,
     #[serde(rename = "EXTERNAL", default)]
     pub external: u64,
+    /// Longest match per data-parallel rank (`"<rank>": tokens`), for engines of several ranks.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub ranks: BTreeMap<String, u64>,
 }
 
 /// The answer to a match or a query: `input_tokens` only for a chat body (the caller of `/query`
@@ -68,6 +71,9 @@ pub struct RoutedNotice<'a> {
     pub handle: Cow<'a, str>,
     #[serde(borrow)]
     pub worker: Cow<'a, str>,
+    /// The data-parallel rank the request was sent to (`routed_dp_rank`), when it was named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
 }
 
 /// Dynamo's `POST /query`.
@@ -89,6 +95,8 @@ pub struct PrefixHit {
     pub engine: String,
     pub matched_tokens: u64,
     pub gpu_tokens: u64,
+    /// Tokens matched per data-parallel rank, when the indexer said (rank, tokens).
+    pub ranks: Vec<(u32, u64)>,
 }
 
 impl PrefixHit {
@@ -125,6 +133,14 @@ fn rank(hits: &mut [PrefixHit]) {
     hits.sort_by(|a, b| b.effective_tokens().cmp(&a.effective_tokens()).then_with(|| a.engine.cmp(&b.engine)));
 }
 
+/// Ranks named by number, capped at the input; others are not ranks and are left out.
+fn per_rank(ranks: BTreeMap<String, u64>, input_tokens: u64) -> Vec<(u32, u64)> {
+    let mut out: Vec<(u32, u64)> =
+        ranks.into_iter().filter_map(|(r, t)| Some((r.parse().ok()?, t.min(input_tokens)))).collect();
+    out.sort_unstable();
+    out
+}
+
 /// Our indexer's answer; `known_input` is the input length when the caller counted it (a
 /// token-id query).
 pub fn parse_answer(status: Option<u16>, body: &[u8], known_input: Option<u64>) -> IndexerAnswer {
@@ -139,6 +155,7 @@ pub fn parse_answer(status: Option<u16>, body: &[u8], known_input: Option<u64>) 
             engine,
             matched_tokens: m.matched_tokens.min(input_tokens),
             gpu_tokens: m.gpu.unwrap_or(m.matched_tokens),
+            ranks: per_rank(m.ranks, input_tokens),
         })
         .filter(|h| h.matched_tokens > 0)
         .collect();
@@ -156,8 +173,9 @@ pub fn parse_dynamo(status: Option<u16>, body: &[u8], input_tokens: u64) -> Inde
         .scores
         .into_iter()
         .filter_map(|(engine, ranks)| {
-            let best = ranks.into_values().max()?.min(input_tokens);
-            (best > 0).then_some(PrefixHit { engine, matched_tokens: best, gpu_tokens: best })
+            let best = ranks.values().copied().max()?.min(input_tokens);
+            let ranks = per_rank(ranks, input_tokens);
+            (best > 0).then_some(PrefixHit { engine, matched_tokens: best, gpu_tokens: best, ranks })
         })
         .collect();
     rank(&mut hits);
@@ -221,7 +239,7 @@ mod tests {
         let bytes = serde_json::to_vec(&answer).unwrap();
         assert_eq!(serde_json::from_slice::<MatchAnswer>(&bytes).unwrap(), answer);
         let m = parse_answer(Some(200), &bytes, None).unwrap();
-        assert_eq!(m.hits, [PrefixHit { engine: "A".into(), matched_tokens: 64, gpu_tokens: 48 }]);
+        assert_eq!(m.hits, [PrefixHit { engine: "A".into(), matched_tokens: 64, gpu_tokens: 48, ranks: vec![] }]);
         let query = Query { model: "m".into(), token_ids: vec![1, 2].into(), lora_name: None, cache_salt: None };
         let bytes = serde_json::to_vec(&query).unwrap();
         assert_eq!(bytes, br#"{"model":"m","token_ids":[1,2]}"#);

@@ -4,8 +4,11 @@
 
 use std::sync::Arc;
 
+use serde_json::{Map, Value};
+
 use super::bucket_loop::select;
-use super::pd::{bootstrap_body, PdDispatch};
+use super::dp_rank::{choose_rank, with_rank};
+use super::pd::{bootstrap_fields, PdDispatch};
 use super::{Endpoint, RequestFacts};
 use crate::buckets::{BucketPick, BucketRequest, BucketResolver};
 use crate::filter::indexer::{verdict, IndexerCall, IndexerClient};
@@ -15,6 +18,7 @@ use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
 use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::{Engine, LiveEngines};
+use crate::state::load_monitor::LoadView;
 use crate::state::prefix::{PrefixEvent, Tier};
 use crate::wiring::counters::Counter;
 use crate::wiring::upstream::UpstreamHeader;
@@ -51,6 +55,8 @@ pub struct Decision {
     pub upstream_header: (String, String),
     /// PD only: the rewritten body and the prefill callout.
     pub pd: Option<PdDispatch>,
+    /// Plain only: the body rewritten for the engine (its data-parallel rank named), when it is.
+    pub body: Option<Vec<u8>>,
     /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
     /// to the service once the decision is carried out.
     pub prefix_event: Option<PrefixEvent>,
@@ -125,6 +131,8 @@ pub struct Wiring<'a> {
     pub random: &'a dyn RandomSource,
     pub prefill_timeout_ms: u64,
     pub indexer: Option<&'a IndexerClient>,
+    /// Engines' reported load, read only to choose a data-parallel rank.
+    pub load: &'a dyn LoadView,
 }
 
 /// Runs the bucket loop for `ticket` and turns its selection into a [`Decision`].
@@ -140,21 +148,53 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     };
     let mut counters = metrics::selected(&selection);
     counters.extend(lookup_counter);
-    let (target, pd) = match &selection.pick {
-        BucketPick::Plain(p) => (Target::Plain(Arc::clone(&p.engine)), None),
+    // The data-parallel rank of each engine chosen, where it has several (spec §7).
+    let hits = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok()).map(|m| m.hits.as_slice());
+    let mut loads = None;
+    let mut rank_of = |engine: &Engine, matched: bool| {
+        if engine.dp_size <= 1 {
+            return None;
+        }
+        let ranks = match (matched, hits) {
+            (true, Some(hits)) => hits.iter().find(|h| h.engine == engine.id).map(|h| h.ranks.as_slice()),
+            _ => None,
+        };
+        let loads = loads.get_or_insert_with(|| wiring.load.snapshot());
+        choose_rank(engine.dp_size, ranks.unwrap_or_default(), loads.get(&engine.id))
+    };
+    // Validated as a JSON object already; a rewrite is the one path that needs its tree.
+    let mut tree = || -> Map<String, Value> {
+        ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default()
+    };
+    let (target, pd, body, rank) = match &selection.pick {
+        BucketPick::Plain(p) => {
+            let rank = rank_of(&p.engine, true);
+            let body = rank.map(|r| with_rank(&tree(), r));
+            (Target::Plain(Arc::clone(&p.engine)), None, body, rank)
+        }
         BucketPick::Pd { prefill, decode } => {
-            // Validated as a JSON object already; the rewrite is the one path that needs its tree.
-            let body = ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default();
-            let (body, rooms) = bootstrap_body(body, &prefill.engine, ticket.facts.n, wiring.random);
+            let prefill_rank = rank_of(&prefill.engine, true);
+            // Decode holds no prefix: its own load decides, unless it is the prefill engine.
+            let decode_rank =
+                if decode.engine.id == prefill.engine.id { prefill_rank } else { rank_of(&decode.engine, false) };
+            let mut fields = tree();
+            let rooms = bootstrap_fields(&mut fields, &prefill.engine, ticket.facts.n, wiring.random);
+            let encode = |rank: Option<u32>| match rank {
+                Some(r) => with_rank(&fields, r),
+                None => Value::Object(fields.clone()).to_string().into_bytes(),
+            };
+            let body = encode(decode_rank);
+            let prefill_body = (prefill_rank != decode_rank).then(|| encode(prefill_rank));
             let pd = PdDispatch {
                 prefill: Arc::clone(&prefill.engine),
                 path: ticket.endpoint.path(),
                 body,
+                prefill_body,
                 rooms,
                 prefill_timeout_ms: wiring.prefill_timeout_ms,
             };
             let target = Target::Pd { prefill: Arc::clone(&prefill.engine), decode: Arc::clone(&decode.engine) };
-            (target, Some(pd))
+            (target, Some(pd), None, prefill_rank)
         }
     };
     // Recorded for the engine that does the prefill work, never for a discarded attempt.
@@ -167,7 +207,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     // The indexer holds the blocks for the engine that prefills them until its own event says so.
     let handle = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok()).and_then(|m| m.handle.as_deref());
     let notices = match (wiring.indexer, handle) {
-        (Some(client), Some(handle)) => client.routed_notices(handle, &target.prefill_work().id),
+        (Some(client), Some(handle)) => client.routed_notices(handle, &target.prefill_work().id, rank),
         _ => Vec::new(),
     };
     let cached_tokens = match &selection.pick {
@@ -181,6 +221,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             upstream_header: wiring.upstream.for_worker(target.upstream()),
             target,
             pd,
+            body,
             prefix_event,
             notices,
         }),

@@ -5,6 +5,7 @@
 pub mod bucket_loop;
 mod chat_body;
 pub mod decision;
+pub mod dp_rank;
 pub mod endpoint;
 pub mod exchange;
 pub mod pd;

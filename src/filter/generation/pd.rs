@@ -19,8 +19,10 @@ pub struct PdDispatch {
     pub prefill: Arc<Engine>,
     /// The endpoint's path: the prefill engine gets the same request as the decode engine.
     pub path: &'static str,
-    /// The body for both the prefill callout and the decode upstream request.
+    /// The body for the decode upstream request, and for the prefill callout unless that one
+    /// differs (another data-parallel rank named).
     pub body: Vec<u8>,
+    pub prefill_body: Option<Vec<u8>>,
     pub rooms: Vec<u64>,
     pub prefill_timeout_ms: u64,
 }
@@ -67,22 +69,28 @@ pub fn forwarded_headers(client: Vec<(String, String)>, routing: &[String]) -> V
 }
 
 impl PdDispatch {
-    /// The prefill request: the same body and end-to-end headers as the decode engine's, to the
-    /// prefill engine's cluster. `client_headers` come from [`forwarded_headers`]. The body (up to
-    /// the body limit) moves into the request: the filter sets the upstream body from it, and
-    /// nothing holds it once both are dispatched.
-    pub fn take_prefill_request(&mut self, client_headers: Vec<(String, String)>) -> CalloutRequest {
+    /// The prefill request and the decode engine's body: the same body (but for a data-parallel
+    /// rank) and end-to-end headers, the request to the prefill engine's cluster. `client_headers`
+    /// come from [`forwarded_headers`]. The bodies (up to the body limit) move out: nothing holds
+    /// them once both are dispatched.
+    pub fn take_requests(&mut self, client_headers: Vec<(String, String)>) -> (CalloutRequest, Arc<Vec<u8>>) {
         let mut headers = client_headers;
         headers.push(("content-type".to_string(), "application/json".to_string()));
-        CalloutRequest {
+        let upstream = Arc::new(std::mem::take(&mut self.body));
+        let prefill = match self.prefill_body.take() {
+            Some(body) => Arc::new(body),
+            None => Arc::clone(&upstream),
+        };
+        let request = CalloutRequest {
             cluster: self.prefill.cluster.clone(),
             method: "POST".to_string(),
             path: self.path.to_string(),
             authority: self.prefill.address.host_port(),
             headers,
-            body: Some(Arc::new(std::mem::take(&mut self.body))),
+            body: Some(prefill),
             timeout_ms: self.prefill_timeout_ms,
-        }
+        };
+        (request, upstream)
     }
 }
 
@@ -186,12 +194,24 @@ pub fn new_room(random: &dyn RandomSource) -> u64 {
     random.next_u64() & (u64::MAX >> 1)
 }
 
+/// The body with the bootstrap fields, and its rooms.
 pub fn bootstrap_body(
     mut body: Map<String, Value>,
     prefill: &Engine,
     n: u64,
     random: &dyn RandomSource,
 ) -> (Vec<u8>, Vec<u64>) {
+    let rooms = bootstrap_fields(&mut body, prefill, n, random);
+    (Value::Object(body).to_string().into_bytes(), rooms)
+}
+
+/// Writes the bootstrap fields into `body`; returns its rooms.
+pub fn bootstrap_fields(
+    body: &mut Map<String, Value>,
+    prefill: &Engine,
+    n: u64,
+    random: &dyn RandomSource,
+) -> Vec<u64> {
     let host = prefill.address.host.clone();
     let port = prefill.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
     let choices = n.max(1);
@@ -206,7 +226,7 @@ pub fn bootstrap_body(
         body.insert("bootstrap_port".into(), json!(vec![port; count]));
         body.insert("bootstrap_room".into(), json!(rooms));
     }
-    (Value::Object(body).to_string().into_bytes(), rooms)
+    rooms
 }
 
 #[cfg(test)]
@@ -292,9 +312,15 @@ mod tests {
     #[test]
     fn the_prefill_request_carries_the_decode_body_to_the_prefill_cluster() {
         let p = worker_with("P1", Role::Prefill, "m");
-        let mut d =
-            PdDispatch { prefill: p, path: CHAT_PATH, body: b"{}".to_vec(), rooms: vec![1], prefill_timeout_ms: 7 };
-        let r = d.take_prefill_request(vec![("authorization".into(), "Bearer k".into())]);
+        let mut d = PdDispatch {
+            prefill: p,
+            path: CHAT_PATH,
+            body: b"{}".to_vec(),
+            prefill_body: None,
+            rooms: vec![1],
+            prefill_timeout_ms: 7,
+        };
+        let (r, upstream) = d.take_requests(vec![("authorization".into(), "Bearer k".into())]);
         assert!(d.body.is_empty(), "the decision keeps no copy of the body for the rest of the stream");
         assert_eq!(
             r.headers,
@@ -304,6 +330,14 @@ mod tests {
         assert_eq!(
             (r.authority.as_str(), r.body.as_deref().map(Vec::as_slice), r.timeout_ms),
             ("127.0.0.1:1", Some(&b"{}"[..]), 7)
+        );
+        assert!(Arc::ptr_eq(r.body.as_ref().unwrap(), &upstream), "one body for both, not a copy");
+        let mut ranked = PdDispatch { prefill_body: Some(b"{\"routed_dp_rank\":1}".to_vec()), ..d };
+        ranked.body = b"{\"routed_dp_rank\":0}".to_vec();
+        let (r, upstream) = ranked.take_requests(vec![]);
+        assert_eq!(
+            (r.body.unwrap().as_slice(), upstream.as_slice()),
+            (&b"{\"routed_dp_rank\":1}"[..], &b"{\"routed_dp_rank\":0}"[..])
         );
     }
 

@@ -27,6 +27,10 @@ pub struct EngineLoad {
     pub reported_at_ms: u64,
     /// The worker's dispatch counter when that report arrived (for load_based's correction).
     pub dispatches_at_report: u64,
+    /// Running + waiting requests per data-parallel rank, for an engine of several ranks: which
+    /// rank a request is routed to (`routed_dp_rank`, spec §7).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_loads: Vec<u64>,
 }
 
 impl EngineLoad {
@@ -162,6 +166,11 @@ fn aggregate(w: &WorkerLoad, now_ms: u64, stale_after_ms: u64) -> Option<EngineL
         prefill_tokens_per_ms: rate,
         reported_at_ms: samples.iter().map(|s| s.at_ms).min().unwrap_or(now_ms),
         dispatches_at_report: w.dispatches_at_report,
+        rank_loads: if samples.len() > 1 {
+            reports().map(|r| r.running.unwrap_or(0).saturating_add(r.waiting.unwrap_or(0))).collect()
+        } else {
+            Vec::new()
+        },
     })
 }
 

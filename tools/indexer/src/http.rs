@@ -113,10 +113,16 @@ fn error(app: &App, status: StatusCode, message: impl Into<String>) -> Response 
 }
 
 /// The answer's shape is the filter's own ([`MatchAnswer`]): every engine's entry by id.
-fn answer(input_tokens: Option<u64>, matches: Vec<(String, EngineMatch)>, handle: u64) -> MatchAnswer {
+fn answer(app: &App, input_tokens: Option<u64>, matches: Vec<(String, EngineMatch)>, handle: u64) -> MatchAnswer {
     let data = matches
         .into_iter()
         .map(|(worker, m)| {
+            // Per rank only where there are several: a single-rank engine's match is its rank's.
+            let ranks = if app.dp_size(&worker) > 1 {
+                m.ranks.iter().map(|(r, t)| (r.to_string(), *t)).collect()
+            } else {
+                Default::default()
+            };
             let held = |medium: Medium| m.by_medium.iter().find(|(x, _)| *x == medium).map_or(0, |(_, t)| *t);
             let entry = EngineEntry {
                 matched_tokens: m.matched_tokens,
@@ -125,6 +131,7 @@ fn answer(input_tokens: Option<u64>, matches: Vec<(String, EngineMatch)>, handle
                 cpu_pinned: held(Medium::CpuPinned),
                 disk: held(Medium::Disk),
                 external: held(Medium::External),
+                ranks,
             };
             (worker, entry)
         })
@@ -152,7 +159,7 @@ async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> 
     };
     let (lora, salt) = (q.lora_name.as_deref(), q.cache_salt.as_deref());
     match app.match_tokens(&q.model, &q.token_ids, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(answer(None, matches, handle)).into_response(),
+        Some((matches, handle)) => Json(answer(&app, None, matches, handle)).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{}` has no index", q.model)),
     }
 }
@@ -196,7 +203,7 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
     let salt = chat.get("cache_salt").and_then(Value::as_str);
     let lora = chat.get("lora_path").and_then(Value::as_str);
     match app.match_tokens(&model, &tokens, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(answer(Some(tokens.len() as u64), matches, handle)).into_response(),
+        Some((matches, handle)) => Json(answer(&app, Some(tokens.len() as u64), matches, handle)).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{model}` has no index")),
     }
 }
@@ -207,7 +214,7 @@ async fn routed(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Err(e) => return error(&app, StatusCode::BAD_REQUEST, format!("not a routed notice: {e}")),
     };
     match notice.handle.parse::<u64>() {
-        Ok(handle) if app.routed(handle, &notice.worker) => StatusCode::NO_CONTENT.into_response(),
+        Ok(handle) if app.routed(handle, &notice.worker, notice.dp_rank) => StatusCode::NO_CONTENT.into_response(),
         _ => {
             app.stats.routed_refused.fetch_add(1, Ordering::Relaxed);
             (StatusCode::NOT_FOUND, "unknown or expired handle, or a worker of another model").into_response()

@@ -118,6 +118,13 @@ impl Source {
     }
 }
 
+/// An engine's data-parallel rank, by the index's engine number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EngineRank {
+    engine: u32,
+    rank: u32,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holder {
     engine: u32,
@@ -134,6 +141,8 @@ pub struct EngineMatch {
     pub confirmed_tokens: u64,
     /// Longest prefix held in each medium.
     pub by_medium: Vec<(Medium, u64)>,
+    /// Longest prefix per data-parallel rank (held or routed there), for ranks that match.
+    pub ranks: Vec<(u32, u64)>,
 }
 
 #[derive(Debug)]
@@ -144,11 +153,12 @@ pub struct Index {
     engine_ids: HashMap<String, u32>,
     sources: HashMap<(u32, u32), Source>,
     holders: HashMap<u64, Vec<Holder>>,
-    /// Blocks a router just sent to an engine, before the engine's own event: key → (engine, until).
-    speculative: HashMap<u64, Vec<(u32, u64)>>,
-    /// Every speculative entry as (until, key, engine), in the order they expire: one TTL for all,
-    /// so arrival order is expiry order and expiring costs what expires, not a scan.
-    expiries: VecDeque<(u64, u64, u32)>,
+    /// Blocks a router just sent to an engine rank, before the engine's own event: key → (engine
+    /// rank, until).
+    speculative: HashMap<u64, Vec<(EngineRank, u64)>>,
+    /// Every speculative entry as (until, key, engine rank), in the order they expire: one TTL for
+    /// all, so arrival order is expiry order and expiring costs what expires, not a scan.
+    expiries: VecDeque<(u64, u64, EngineRank)>,
     max_speculative: usize,
     pages: usize,
     pub counters: Counters,
@@ -248,9 +258,9 @@ impl Index {
                 if !hs.contains(&holder) {
                     hs.push(holder);
                 }
-                // The engine's own event confirms what was routed to it.
+                // The engine rank's own event confirms what was routed to it.
                 if let Some(spec) = self.speculative.get_mut(key) {
-                    spec.retain(|(engine, _)| *engine != e);
+                    spec.retain(|(at, _)| *at != EngineRank { engine: e, rank });
                     if spec.is_empty() {
                         self.speculative.remove(key);
                     }
@@ -336,8 +346,8 @@ impl Index {
     /// A router sent these blocks to `engine`: it will hold them as soon as it prefilled, before
     /// its event says so. Held until `until_ms` unless the engine's own event confirms them.
     /// Past its bound on speculative entries the oldest go first, whatever their time.
-    pub fn add_speculative(&mut self, engine: &str, keys: &[u64], until_ms: u64) {
-        let e = self.engine_id(engine);
+    pub fn add_speculative(&mut self, engine: &str, rank: u32, keys: &[u64], until_ms: u64) {
+        let e = EngineRank { engine: self.engine_id(engine), rank };
         for key in keys {
             let entry = self.speculative.entry(*key).or_default();
             match entry.iter_mut().find(|(x, _)| *x == e) {
@@ -366,7 +376,7 @@ impl Index {
     }
 
     /// Drops `key`'s entry for engine `e` unless a later notice renewed it past `until`.
-    fn drop_speculative(&mut self, key: u64, e: u32, until: u64) {
+    fn drop_speculative(&mut self, key: u64, e: EngineRank, until: u64) {
         if let Some(entry) = self.speculative.get_mut(&key) {
             entry.retain(|(x, u)| *x != e || *u > until);
             if entry.is_empty() {
@@ -375,12 +385,13 @@ impl Index {
         }
     }
 
-    /// What every engine holds of the prefix these keys spell, longest first per engine. Only the
-    /// engines holding the first block can match at all, so the walk follows just those, and stops
-    /// as soon as none of them holds the next block.
+    /// What every engine holds of the prefix these keys spell, longest first per engine, with
+    /// its longest per data-parallel rank (a request is served by one rank, so an engine's match is
+    /// its best rank's). Only the engine ranks holding the first block can match at all, so the
+    /// walk follows just those, and stops as soon as none of them holds the next block.
     pub fn match_keys(&self, keys: &[u64], now_ms: u64) -> Vec<(String, EngineMatch)> {
         struct Walk {
-            engine: u32,
+            at: EngineRank,
             any: bool,
             confirmed: bool,
             media: [bool; 4],
@@ -390,19 +401,19 @@ impl Index {
         }
         let block = u64::from(self.block_tokens);
         let holders_of = |key: &u64| self.holders.get(key).map(Vec::as_slice).unwrap_or_default();
-        let routed_to = |key: &u64, e: u32| {
-            self.speculative.get(key).is_some_and(|s| s.iter().any(|(x, until)| *x == e && *until > now_ms))
+        let routed_to = |key: &u64, at: EngineRank| {
+            self.speculative.get(key).is_some_and(|s| s.iter().any(|(x, until)| *x == at && *until > now_ms))
         };
         let Some(first) = keys.first() else { return Vec::new() };
         let mut walks: Vec<Walk> = Vec::new();
         let starters = holders_of(first)
             .iter()
-            .map(|h| h.engine)
-            .chain(self.speculative.get(first).into_iter().flatten().filter(|(_, u)| *u > now_ms).map(|(e, _)| *e));
-        for engine in starters {
-            if !walks.iter().any(|w| w.engine == engine) {
+            .map(|h| EngineRank { engine: h.engine, rank: h.rank })
+            .chain(self.speculative.get(first).into_iter().flatten().filter(|(_, u)| *u > now_ms).map(|(at, _)| *at));
+        for at in starters {
+            if !walks.iter().any(|w| w.at == at) {
                 walks.push(Walk {
-                    engine,
+                    at,
                     any: true,
                     confirmed: true,
                     media: [true; 4],
@@ -418,7 +429,7 @@ impl Index {
             for w in walks.iter_mut().filter(|w| w.any) {
                 let mut held = [false; 4];
                 let mut any_held = false;
-                for h in holders.iter().filter(|h| h.engine == w.engine) {
+                for h in holders.iter().filter(|h| h.engine == w.at.engine && h.rank == w.at.rank) {
                     held[h.medium as usize] = true;
                     any_held = true;
                 }
@@ -426,7 +437,7 @@ impl Index {
                 if w.confirmed {
                     w.confirmed_tokens += block;
                 }
-                w.any = any_held || routed_to(key, w.engine);
+                w.any = any_held || routed_to(key, w.at);
                 if w.any {
                     w.matched += block;
                     still = true;
@@ -442,16 +453,32 @@ impl Index {
                 break;
             }
         }
-        let mut result: Vec<(String, EngineMatch)> = walks
+        let mut by_engine: Vec<(u32, EngineMatch)> = Vec::new();
+        for w in walks.into_iter().filter(|w| w.matched > 0) {
+            let i = match by_engine.iter().position(|(e, _)| *e == w.at.engine) {
+                Some(i) => i,
+                None => {
+                    let fresh = EngineMatch {
+                        by_medium: Medium::ALL.iter().map(|m| (*m, 0)).collect(),
+                        ..EngineMatch::default()
+                    };
+                    by_engine.push((w.at.engine, fresh));
+                    by_engine.len() - 1
+                }
+            };
+            let m = &mut by_engine[i].1;
+            m.matched_tokens = m.matched_tokens.max(w.matched);
+            m.confirmed_tokens = m.confirmed_tokens.max(w.confirmed_tokens);
+            for ((_, tokens), walked) in m.by_medium.iter_mut().zip(w.per_medium) {
+                *tokens = (*tokens).max(walked);
+            }
+            m.ranks.push((w.at.rank, w.matched));
+        }
+        let mut result: Vec<(String, EngineMatch)> = by_engine
             .into_iter()
-            .filter(|w| w.matched > 0)
-            .map(|w| {
-                let m = EngineMatch {
-                    matched_tokens: w.matched,
-                    confirmed_tokens: w.confirmed_tokens,
-                    by_medium: Medium::ALL.iter().copied().zip(w.per_medium).collect(),
-                };
-                (self.engines[w.engine as usize].clone(), m)
+            .map(|(e, mut m)| {
+                m.ranks.sort_unstable();
+                (self.engines[e as usize].clone(), m)
             })
             .collect();
         result.sort_by(|a, b| b.1.matched_tokens.cmp(&a.1.matched_tokens).then_with(|| a.0.cmp(&b.0)));
@@ -551,6 +578,23 @@ mod tests {
     fn matched(index: &Index, query: &[u32]) -> Vec<(String, u64)> {
         let keys = block_keys(query, index.block_tokens(), None, None);
         index.match_keys(&keys, 0).into_iter().map(|(e, m)| (e, m.matched_tokens)).collect()
+    }
+
+    /// A request is served by one rank: an engine's match is its best rank's, and each rank's is
+    /// told apart, speculative entries included.
+    #[test]
+    fn each_data_parallel_rank_matches_on_its_own() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(16);
+        index.apply("A", 0, &stored(&[1], None, &t[..4], 4));
+        index.apply("A", 1, &stored(&[1, 2, 3], None, &t[..12], 4));
+        let keys = block_keys(&t, 4, None, None);
+        let m = &index.match_keys(&keys, 0)[0].1;
+        assert_eq!((m.matched_tokens, m.ranks.clone()), (12, vec![(0, 4), (1, 12)]));
+        index.add_speculative("A", 0, &keys, 100);
+        let m = &index.match_keys(&keys, 0)[0].1;
+        assert_eq!(m.ranks, [(0, 16), (1, 12)], "routed to rank 0 moments ago");
+        assert_eq!(m.confirmed_tokens, 12, "rank 1's own events confirm its 12");
     }
 
     #[test]
@@ -675,14 +719,14 @@ mod tests {
     #[test]
     fn speculative_entries_expire_in_order_renewals_survive_and_the_total_is_capped() {
         let mut index = Index::new(4, 1000);
-        index.add_speculative("B", &[1, 2, 3], 100);
-        index.add_speculative("B", &[2], 300);
+        index.add_speculative("B", 0, &[1, 2, 3], 100);
+        index.add_speculative("B", 0, &[2], 300);
         index.expire_speculative(100);
         assert_eq!(index.speculative_blocks(), 1, "the renewed block stays");
         index.expire_speculative(300);
         assert_eq!((index.speculative_blocks(), index.expiries.len()), (0, 0));
         let keys: Vec<u64> = (0..MAX_SPECULATIVE as u64 + 10).collect();
-        index.add_speculative("B", &keys, 1_000);
+        index.add_speculative("B", 0, &keys, 1_000);
         assert_eq!((index.speculative_blocks(), index.expiries.len()), (MAX_SPECULATIVE, MAX_SPECULATIVE));
     }
 
@@ -707,7 +751,7 @@ mod tests {
         let mut index = Index::new(4, 1000);
         let t = tokens(8);
         let keys = block_keys(&t, 4, None, None);
-        index.add_speculative("B", &keys, 2_000);
+        index.add_speculative("B", 0, &keys, 2_000);
         let m = index.match_keys(&keys, 1_000);
         assert_eq!((m[0].0.as_str(), m[0].1.matched_tokens, m[0].1.confirmed_tokens), ("B", 8, 0));
         assert!(index.match_keys(&keys, 2_000).is_empty(), "expired");

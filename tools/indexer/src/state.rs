@@ -391,6 +391,11 @@ impl App {
         self.config.models.contains_key(model)
     }
 
+    /// The worker's data-parallel ranks (1 for an unknown worker).
+    pub fn dp_size(&self, worker: &str) -> u32 {
+        self.config.workers.iter().find(|w| w.id == worker).map_or(1, |w| w.dp_size.max(1))
+    }
+
     pub fn worker_model(&self, worker: &str) -> Option<&str> {
         self.worker_model.get(worker).map(String::as_str)
     }
@@ -551,7 +556,7 @@ impl App {
 
     /// A router sent the request behind `handle` to `worker`. `false` when the handle is unknown
     /// (expired) or the worker does not serve that model.
-    pub fn routed(&self, handle: u64, worker: &str) -> bool {
+    pub fn routed(&self, handle: u64, worker: &str, dp_rank: Option<u32>) -> bool {
         let found = lock(&self.handles)
             .recent
             .iter()
@@ -563,7 +568,9 @@ impl App {
         }
         let until = now_ms() + SPECULATIVE_TTL_MS;
         self.stats.routed_notices.fetch_add(1, Ordering::Relaxed);
-        let applied = self.with_index(&model, |index| index.add_speculative(worker, &keys, until)).is_some();
+        let applied = self
+            .with_index(&model, |index| index.add_speculative(worker, dp_rank.unwrap_or(0), &keys, until))
+            .is_some();
         self.claims.routed(handle);
         applied
     }
@@ -720,7 +727,7 @@ mod tests {
         assert!(app.handle_bytes() > budget / 2, "the share is used, not wasted");
         let kept = lock(&app.handles).recent.back().map(|(_, _, keys)| keys.len());
         assert_eq!(kept, Some(MAX_ROUTED_BLOCKS));
-        assert!(app.routed(last, "A"), "the newest handle is still there");
+        assert!(app.routed(last, "A", None), "the newest handle is still there");
     }
 
     #[test]
