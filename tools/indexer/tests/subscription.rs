@@ -365,7 +365,7 @@ impl SglangPublisher {
         let python = root.join(".venv/bin/python");
         assert!(module.exists() && python.exists(), "run scripts/setup --tests: it unpacks SGLang's publisher");
         let mut child = Command::new(python)
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sglang_publisher.py"))
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../sim/sglang_publisher.py"))
             .args([module.to_str().unwrap(), &events.to_string(), &replay.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -575,7 +575,8 @@ fn replicas_agree_claims_and_routed_notices_land_everywhere() {
         std::thread::sleep(Duration::from_millis(60));
         let notice = json!({"handle": handle, "worker": "B"});
         for replica in [&a, &b] {
-            assert_eq!(post_with(replica, "/v1/prefix/routed", &notice, &[]).0, 204, "round {round}: both know it");
+            let status = post_with(replica, "/v1/prefix/routed", &notice, &[]).0;
+            assert!(status == 204 || status == 202, "round {round}: applied, or held for the handle ({status})");
         }
         let (second, waited) = waiting.join().unwrap();
         assert_eq!(second["data"]["B"]["matched_tokens"], 2048, "round {round}, the claim's engine: {second}");

@@ -134,6 +134,7 @@ pub async fn chat_completions(
     let authorized = engine.args.api_key.as_ref().is_none_or(|key| {
         headers.get("authorization").and_then(|v| v.to_str().ok()) == Some(format!("Bearer {key}").as_str())
     });
+    let dp_rank = engine.rank_for(body.get("routed_dp_rank").or_else(|| body.get("data_parallel_rank")));
     engine.record(RequestRecord {
         path: uri.path().to_string(),
         stream,
@@ -148,9 +149,11 @@ pub async fn chat_completions(
             .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
             .collect(),
         body_bytes,
+        routed_dp_rank: body.get("routed_dp_rank").cloned(),
+        dp_rank,
     });
     let response = if authorized {
-        serve(&engine, api, body, stream, rooms, received_ms).await
+        serve(&engine, api, body, stream, rooms, received_ms, dp_rank).await
     } else {
         error(StatusCode::UNAUTHORIZED, "UnauthorizedError", "missing or wrong API key")
     };
@@ -167,6 +170,7 @@ async fn serve(
     stream: bool,
     rooms: Vec<u64>,
     received_ms: u64,
+    dp_rank: u32,
 ) -> Response {
     let fault = engine.control().chat.clone();
     if let Some(r) = control::apply(fault, "chat").await {
@@ -231,8 +235,8 @@ async fn serve(
     let cached = if engine.role == Role::Decode {
         prompt_ids.len() as u64
     } else {
-        let served = engine.cache.serve(&prompt_ids);
-        if let Some(events) = &engine.events {
+        let served = engine.caches[dp_rank as usize].serve(&prompt_ids);
+        if let Some(events) = engine.events.get(dp_rank as usize) {
             events.served(&served);
         }
         served.cached_tokens

@@ -136,10 +136,10 @@ pub async fn state(State(engine): State<Arc<Engine>>) -> Response {
         "served": engine.served.load(Ordering::SeqCst),
         "rooms_finished": engine.rooms.finished_count(),
         "cache": {
-            "cached_tokens": engine.cache.hit_rate().0,
-            "prompt_tokens": engine.cache.hit_rate().1,
+            "cached_tokens": engine.cache_totals().0,
+            "prompt_tokens": engine.cache_totals().1,
             "hit_rate": crate::loads::hit_rate(&engine),
-            "cached_blocks": engine.cache.cached_blocks(),
+            "cached_blocks": engine.caches.iter().map(|c| c.cached_blocks()).sum::<u64>(),
         },
         "control": engine.control().clone(),
         "recent": recent,

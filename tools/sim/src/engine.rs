@@ -109,6 +109,13 @@ pub struct Args {
     /// that holds its prefix cache in host memory (SGLang's HiCache).
     #[arg(long, default_value = "GPU", value_parser = ["GPU", "CPU_PINNED", "DISK"])]
     pub kv_events_medium: String,
+    /// Publish through SGLang's own `ZmqEventPublisher`: the path of `kv_events.py` from its
+    /// wheel (`scripts/setup --tests` unpacks it under `.tools/sglang`).
+    #[arg(long)]
+    pub kv_events_sglang: Option<std::path::PathBuf>,
+    /// The Python that runs SGLang's publisher (it needs msgspec, pyzmq and pydantic).
+    #[arg(long, default_value = "python3")]
+    pub python: String,
 }
 
 /// Bytes per simulated token, as the router's default estimator counts.
@@ -128,6 +135,9 @@ pub struct RequestRecord {
     pub headers: Vec<(String, String)>,
     /// The request body's length as it arrived.
     pub body_bytes: usize,
+    /// The data-parallel rank the body named (`routed_dp_rank`), and the rank that served it.
+    pub routed_dp_rank: Option<serde_json::Value>,
+    pub dp_rank: u32,
 }
 
 const RECENT_REQUESTS: usize = 256;
@@ -149,9 +159,13 @@ pub struct Engine {
     pub rooms: Rooms,
     pub recent: Mutex<Vec<RequestRecord>>,
     pub client: reqwest::Client,
-    pub cache: crate::kv::PrefixCache,
+    /// One prefix cache per data-parallel rank: a prefix lives on the rank that served it.
+    pub caches: Vec<crate::kv::PrefixCache>,
     pub tokenizer: Option<sgl_indexer::tokenize::ModelTokenizer>,
-    pub events: Option<crate::events::Publisher>,
+    /// One publisher per rank, when events are published.
+    pub events: Vec<crate::events::Publisher>,
+    /// Where a request that names no rank goes: round robin, as SGLang's DP controller's default.
+    next_rank: AtomicU64,
     /// One prefill at a time, as an engine's prefill batch runs.
     pub prefill_lock: tokio::sync::Mutex<()>,
     pub chat_requests: AtomicU64,
@@ -182,17 +196,36 @@ impl Engine {
             rooms: Rooms::default(),
             recent: Mutex::new(Vec::new()),
             client: reqwest::Client::new(),
-            cache: crate::kv::PrefixCache::new(
-                args.kv_capacity,
-                args.page_size.unwrap_or(if args.tokenizer.is_some() { 1 } else { crate::kv::BLOCK_TOKENS }),
-            ),
+            caches: (0..args.dp_size.max(1))
+                .map(|_| {
+                    crate::kv::PrefixCache::new(
+                        args.kv_capacity / u64::from(args.dp_size.max(1)),
+                        args.page_size.unwrap_or(if args.tokenizer.is_some() { 1 } else { crate::kv::BLOCK_TOKENS }),
+                    )
+                })
+                .collect(),
             tokenizer: None,
-            events: None,
+            events: Vec::new(),
+            next_rank: AtomicU64::new(0),
             prefill_lock: tokio::sync::Mutex::new(()),
             chat_requests: AtomicU64::new(0),
             fault_rng: AtomicU64::new(u64::from(args.port).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             args,
         }
+    }
+
+    /// The rank serving a request: the one its body names, else the next in turn.
+    pub fn rank_for(&self, named: Option<&serde_json::Value>) -> u32 {
+        let ranks = self.args.dp_size.max(1);
+        match named.and_then(serde_json::Value::as_u64) {
+            Some(r) if r < u64::from(ranks) => r as u32,
+            _ => (self.next_rank.fetch_add(1, Ordering::Relaxed) % u64::from(ranks)) as u32,
+        }
+    }
+
+    /// Cached and prompt tokens over the engine's life, every rank together.
+    pub fn cache_totals(&self) -> (u64, u64) {
+        self.caches.iter().map(|c| c.hit_rate()).fold((0, 0), |(a, b), (c, p)| (a + c, b + p))
     }
 
     pub fn bootstrap_port(&self) -> Option<u16> {

@@ -2,13 +2,20 @@
 //! `[topic, seq as 8 bytes big-endian, msgpack EventBatch]`, the batch `[ts, events, dp_rank]`,
 //! each event a map tagged by `type` (BlockStored on prefill, BlockRemoved on eviction,
 //! AllBlocksCleared on a flush). With `--kv-events-replay`, a ROUTER answers replay requests from
-//! the last batches, ending with sequence -1, as SGLang's publisher does.
+//! the last batches, ending with sequence -1, as SGLang's publisher does. Each data-parallel rank
+//! publishes on its own, on the ports offset by its rank.
+//!
+//! With `--kv-events-sglang MODULE` the batches go out through SGLang's own `ZmqEventPublisher`
+//! instead (the module from its wheel, run by `sglang_publisher.py`): the engine's wire, replay
+//! buffer and framing are then SGLang's, not this project's idea of them.
 
 use std::collections::VecDeque;
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use rmpv::Value;
+use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -16,35 +23,109 @@ use crate::kv::Served;
 
 /// Batches kept for replay (SGLang's `buffer_steps` default is 10,000).
 const REPLAY_BATCHES: usize = 10_000;
+/// SGLang's publisher, driven over stdin.
+const SGLANG_PUBLISHER: &str = include_str!("../sglang_publisher.py");
 
 type Buffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
 
+/// Where a rank's batches go.
+enum Sink {
+    /// This simulator's own ZeroMQ sockets.
+    Own(mpsc::UnboundedSender<Vec<Value>>),
+    /// SGLang's publisher process: one JSON line per batch.
+    Sglang(Mutex<(Child, std::process::ChildStdin)>),
+}
+
 pub struct Publisher {
-    tx: mpsc::UnboundedSender<Vec<Value>>,
+    sink: Sink,
     page: u64,
     medium: String,
 }
 
-fn map(entries: Vec<(&str, Value)>) -> Value {
-    Value::Map(entries.into_iter().map(|(k, v)| (Value::from(k), v)).collect())
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        if let Sink::Sglang(process) = &self.sink {
+            if let Ok(mut p) = process.lock() {
+                let _ = p.0.kill();
+                let _ = p.0.wait();
+            }
+        }
+    }
 }
 
 /// SGLang publishes hashes as signed 64-bit integers.
 fn hash(h: u64) -> Value {
-    Value::from(h as i64)
+    json!(h as i64)
+}
+
+/// `tcp://host:port` with the port offset by `rank`.
+pub fn offset(endpoint: &str, rank: u32) -> String {
+    match endpoint.rsplit_once(':').and_then(|(base, port)| Some((base, port.parse::<u32>().ok()?))) {
+        Some((base, port)) => format!("{base}:{}", port + rank),
+        None => endpoint.to_string(),
+    }
+}
+
+fn port_of(endpoint: &str) -> Result<u16, String> {
+    endpoint.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).ok_or_else(|| format!("no port in {endpoint}"))
+}
+
+/// How rank `rank` publishes.
+pub struct PublisherSpec<'a> {
+    pub endpoint: &'a str,
+    pub replay: Option<&'a str>,
+    pub rank: u32,
+    pub page: u64,
+    pub medium: &'a str,
+    /// SGLang's `kv_events.py` and the Python that runs it, to publish through SGLang's own code.
+    pub sglang: Option<(&'a std::path::Path, &'a str)>,
 }
 
 impl Publisher {
-    /// Binds the PUB (and replay ROUTER) sockets and starts the publishing task.
-    pub async fn start(endpoint: &str, replay: Option<&str>, page: u64, medium: &str) -> Result<Self, String> {
+    /// Binds the rank's PUB (and replay ROUTER) sockets — or starts SGLang's publisher on them —
+    /// and starts publishing.
+    pub async fn start(spec: PublisherSpec<'_>) -> Result<Self, String> {
+        let (page, medium) = (spec.page, spec.medium.to_string());
+        if let Some((module, python)) = spec.sglang {
+            // SGLang offsets the ports by the rank itself: it gets the base ones.
+            let events = port_of(spec.endpoint)?;
+            let replay = spec.replay.map(port_of).transpose()?.unwrap_or(0);
+            let mut child = Command::new(python)
+                .args(["-c", SGLANG_PUBLISHER])
+                .arg(module)
+                .args([events.to_string(), replay.to_string(), spec.rank.to_string()])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|e| format!("cannot start SGLang's publisher with {python}: {e}"))?;
+            let stdin = child.stdin.take().ok_or("no stdin")?;
+            let stdout = child.stdout.take().ok_or("no stdout")?;
+            // Python starts slowly: the ranks' publishers start side by side, each waited for off
+            // the async workers.
+            let ready = tokio::task::spawn_blocking(move || {
+                let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+                match lines.next() {
+                    Some(Ok(line)) if line.trim() == "ready" => {}
+                    other => return Err(format!("SGLang's publisher did not start: {other:?}")),
+                }
+                // Its acknowledgements are read and dropped, so its stdout never fills.
+                std::thread::spawn(move || lines.for_each(drop));
+                Ok(())
+            });
+            ready.await.map_err(|e| e.to_string())??;
+            return Ok(Self { sink: Sink::Sglang(Mutex::new((child, stdin))), page, medium });
+        }
+        let endpoint = offset(spec.endpoint, spec.rank);
         let mut socket = PubSocket::new();
-        socket.bind(endpoint).await.map_err(|e| format!("cannot bind {endpoint}: {e}"))?;
+        socket.bind(&endpoint).await.map_err(|e| format!("cannot bind {endpoint}: {e}"))?;
         let buffer: Buffer = Arc::default();
-        if let Some(replay) = replay {
+        if let Some(replay) = spec.replay.map(|r| offset(r, spec.rank)) {
             let mut router = RouterSocket::new();
-            router.bind(replay).await.map_err(|e| format!("cannot bind {replay}: {e}"))?;
+            router.bind(&replay).await.map_err(|e| format!("cannot bind {replay}: {e}"))?;
             tokio::spawn(serve_replay(router, Arc::clone(&buffer)));
         }
+        let rank = spec.rank;
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Value>>();
         tokio::spawn(async move {
             let mut seq = 0u64;
@@ -53,11 +134,7 @@ impl Publisher {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs_f64())
                     .unwrap_or(0.0);
-                let batch = Value::Array(vec![Value::from(ts), Value::Array(events), Value::from(0)]);
-                let mut payload = Vec::new();
-                if rmpv::encode::write_value(&mut payload, &batch).is_err() {
-                    continue;
-                }
+                let Ok(payload) = rmp_serde::to_vec(&(ts, events, rank)) else { continue };
                 if let Ok(mut b) = buffer.lock() {
                     b.push_back((seq, payload.clone()));
                     while b.len() > REPLAY_BATCHES {
@@ -72,7 +149,20 @@ impl Publisher {
                 seq += 1;
             }
         });
-        Ok(Self { tx, page, medium: medium.to_string() })
+        Ok(Self { sink: Sink::Own(tx), page, medium })
+    }
+
+    fn send(&self, events: Vec<Value>) {
+        match &self.sink {
+            Sink::Own(tx) => {
+                let _ = tx.send(events);
+            }
+            Sink::Sglang(process) => {
+                if let Ok(mut p) = process.lock() {
+                    let _ = writeln!(p.1, "{}", json!({"events": events}));
+                }
+            }
+        }
     }
 
     /// One batch for what a request stored and evicted.
@@ -81,30 +171,30 @@ impl Publisher {
             .stored
             .iter()
             .map(|p| {
-                map(vec![
-                    ("type", Value::from("BlockStored")),
-                    ("block_hashes", Value::Array(vec![hash(p.hash)])),
-                    ("parent_block_hash", p.parent.map_or(Value::Nil, hash)),
-                    ("token_ids", Value::Array(p.tokens.iter().map(|t| Value::from(*t)).collect())),
-                    ("block_size", Value::from(self.page)),
-                    ("medium", Value::from(self.medium.as_str())),
-                ])
+                json!({
+                    "type": "BlockStored",
+                    "block_hashes": [hash(p.hash)],
+                    "parent_block_hash": p.parent.map_or(Value::Null, hash),
+                    "token_ids": p.tokens,
+                    "block_size": self.page,
+                    "medium": self.medium,
+                })
             })
             .collect();
         if !served.evicted.is_empty() {
-            events.push(map(vec![
-                ("type", Value::from("BlockRemoved")),
-                ("block_hashes", Value::Array(served.evicted.iter().map(|h| hash(*h)).collect())),
-                ("medium", Value::from(self.medium.as_str())),
-            ]));
+            events.push(json!({
+                "type": "BlockRemoved",
+                "block_hashes": served.evicted.iter().map(|h| hash(*h)).collect::<Vec<_>>(),
+                "medium": self.medium,
+            }));
         }
         if !events.is_empty() {
-            let _ = self.tx.send(events);
+            self.send(events);
         }
     }
 
     pub fn cleared(&self) {
-        let _ = self.tx.send(vec![map(vec![("type", Value::from("AllBlocksCleared"))])]);
+        self.send(vec![json!({"type": "AllBlocksCleared"})]);
     }
 }
 

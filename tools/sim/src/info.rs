@@ -64,8 +64,10 @@ pub async fn models(State(engine): State<Arc<Engine>>) -> Response {
 
 /// As SGLang's: drops the prefix cache, and says so on the event stream.
 pub async fn flush_cache(State(engine): State<Arc<Engine>>) -> Response {
-    engine.cache.clear();
-    if let Some(events) = &engine.events {
+    for cache in &engine.caches {
+        cache.clear();
+    }
+    for events in &engine.events {
         events.cleared();
     }
     "Cache flushed.".into_response()

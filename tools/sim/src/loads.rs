@@ -89,7 +89,7 @@ pub async fn get_load(State(engine): State<Arc<Engine>>) -> Response {
 
 /// Cached / prompt tokens over the engine's life.
 pub fn hit_rate(engine: &Engine) -> f64 {
-    let (cached, total) = engine.cache.hit_rate();
+    let (cached, total) = engine.cache_totals();
     if total == 0 {
         0.0
     } else {

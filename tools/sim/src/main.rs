@@ -41,12 +41,24 @@ async fn main() -> std::io::Result<()> {
             eprintln!("sgl-sim: --kv-events needs --tokenizer (events carry real token ids)");
             std::process::exit(2);
         }
-        let page = engine.cache.page_tokens();
-        match events::Publisher::start(endpoint, args.kv_events_replay.as_deref(), page, &args.kv_events_medium).await {
-            Ok(p) => engine.events = Some(p),
-            Err(e) => {
-                eprintln!("sgl-sim: {e}");
-                std::process::exit(2);
+        let page = engine.caches[0].page_tokens();
+        let starts = (0..args.dp_size.max(1)).map(|rank| {
+            events::Publisher::start(events::PublisherSpec {
+                endpoint,
+                replay: args.kv_events_replay.as_deref(),
+                rank,
+                page,
+                medium: &args.kv_events_medium,
+                sglang: args.kv_events_sglang.as_deref().map(|m| (m, args.python.as_str())),
+            })
+        });
+        for started in futures_util::future::join_all(starts).await {
+            match started {
+                Ok(p) => engine.events.push(p),
+                Err(e) => {
+                    eprintln!("sgl-sim: {e}");
+                    std::process::exit(2);
+                }
             }
         }
     }

@@ -1,4 +1,5 @@
-"""SGLang's own KV-event publisher, driven from a test over stdin.
+"""SGLang's own KV-event publisher, driven over stdin (by `sgl-sim --kv-events-sglang`, and by the
+indexer's tests).
 
 Loads `sglang/srt/disaggregation/kv_events.py` from the SGLang wheel that `scripts/setup --tests`
 unpacks (the module alone: the two helpers it imports from the rest of SGLang are stubbed, since
@@ -23,6 +24,8 @@ def stub(name, **attrs):
 
 def main():
     module_path, events_port, replay_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    # Optional: the attention-DP rank this publisher speaks for; it offsets both ports by it.
+    rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     for package in ["sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.disaggregation"]:
         stub(package, __path__=[])
     stub("sglang.srt.runtime_context", get_parallel=lambda: None)
@@ -32,9 +35,9 @@ def main():
     spec.loader.exec_module(kv)
 
     publisher = kv.ZmqEventPublisher(
-        attn_dp_rank=0,
+        attn_dp_rank=rank,
         endpoint=f"tcp://127.0.0.1:{events_port}",
-        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}" if replay_port else None,
         buffer_steps=10_000,
         topic="kv",
         bind=True,
