@@ -43,11 +43,19 @@ pub struct Claims {
     /// cache-aware policies); models without one never claim.
     min_gain: HashMap<String, u64>,
     open: Mutex<HashMap<String, Vec<Claim>>>,
+    /// Notices for handles no claim here had, until the window ends: (handle, until).
+    routed_recent: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Claims {
     pub fn new(window_ms: u64, block_tokens: u32, min_gain: HashMap<String, u64>) -> Self {
-        Self { window_ms, block_tokens: u64::from(block_tokens.max(1)), min_gain, open: Mutex::default() }
+        Self {
+            window_ms,
+            block_tokens: u64::from(block_tokens.max(1)),
+            min_gain,
+            open: Mutex::default(),
+            routed_recent: Mutex::default(),
+        }
     }
 
     /// `best_tokens` is what the index already matched for `keys`. A query waits on the open claim
@@ -100,12 +108,13 @@ impl Claims {
     /// Another replica's claim this one's queries wait on: its notice reaches every replica, and
     /// wakes them here. Opens it unless it is open already.
     pub fn mirror(&self, model: &str, handle: u64, keys: Arc<[u64]>, until_ms: u64) -> watch::Receiver<bool> {
+        let already = self.routed_recent.lock().is_ok_and(|r| r.iter().any(|(h, _)| *h == handle));
         let Ok(mut open) = self.open.lock() else { return watch::channel(true).1 };
         let claims = open.entry(model.to_string()).or_default();
         if let Some(claim) = claims.iter().find(|c| c.handle == handle) {
             return claim.routed.subscribe();
         }
-        let (routed, receiver) = watch::channel(false);
+        let (routed, receiver) = watch::channel(already);
         if claims.len() < MAX_CLAIMS_PER_MODEL {
             claims.push(Claim { handle, keys, until_ms, routed });
         }
@@ -113,20 +122,33 @@ impl Claims {
     }
 
     /// The notice for `handle` arrived (its speculative entries are in): wake whoever waits on it.
-    pub fn routed(&self, handle: u64) {
+    /// The claim stays, routed, until its window ends: a replica's query that the arbiter sends to
+    /// wait on it may reach the arbiter before that replica heard the notice, and waits for it
+    /// there rather than finding nothing. A notice for a claim not (yet) mirrored here is
+    /// remembered for as long, so mirroring it later does not wait for a notice already come.
+    pub fn routed(&self, handle: u64, now_ms: u64) {
         let Ok(mut open) = self.open.lock() else { return };
         for claims in open.values_mut() {
-            if let Some(i) = claims.iter().position(|c| c.handle == handle) {
-                let claim = claims.swap_remove(i);
+            if let Some(claim) = claims.iter().find(|c| c.handle == handle) {
                 claim.routed.send_replace(true);
                 return;
             }
         }
+        drop(open);
+        if let Ok(mut recent) = self.routed_recent.lock() {
+            recent.retain(|(_, until)| *until > now_ms);
+            if recent.len() < MAX_CLAIMS_PER_MODEL {
+                recent.push((handle, now_ms + self.window_ms));
+            }
+        }
     }
 
-    /// Claims open now, across models (for `/metrics`).
+    /// Claims open and not yet routed, across models (for `/metrics`).
     pub fn open(&self, now_ms: u64) -> usize {
-        self.open.lock().map(|o| o.values().flatten().filter(|c| c.until_ms > now_ms).count()).unwrap_or(0)
+        self.open
+            .lock()
+            .map(|o| o.values().flatten().filter(|c| c.until_ms > now_ms && !*c.routed.borrow()).count())
+            .unwrap_or(0)
     }
 }
 
@@ -153,9 +175,15 @@ mod tests {
         };
         assert_eq!((until_ms, handle, shared_blocks), (1020, 1, 10));
         assert!(!*routed.borrow());
-        c.routed(1);
+        c.routed(1, 1002);
         assert!(*routed.borrow(), "the notice wakes the waiter");
-        assert_eq!(c.open(1001), 0, "a routed claim closes");
+        assert_eq!(c.open(1002), 0, "a routed claim is no longer open");
+        let Turn::Wait { routed, .. } = c.turn("m", &keys(0..10), 0, None, true, 1003) else {
+            panic!("a routed claim still answers, within its window")
+        };
+        assert!(*routed.borrow(), "and a query waiting on it goes on at once");
+        c.routed(77, 1003);
+        assert!(*c.mirror("m", 77, keys(0..4), 1020).borrow(), "a notice heard before its mirror");
     }
 
     #[test]

@@ -26,7 +26,7 @@ use sgl_envoy_router::protocol::indexer::{
 use crate::events::Medium;
 use crate::index::EngineMatch;
 use crate::replicas::{ClaimRequest, Registration, CLAIM_PATH, HANDLES_PATH};
-use crate::state::App;
+use crate::state::{App, Routed};
 use crate::tokenize::TokenizeError;
 use tower_http::catch_panic::{CatchPanicLayer, ResponseForPanic};
 
@@ -213,8 +213,9 @@ async fn routed(State(app): State<Arc<App>>, body: Bytes) -> Response {
         Ok(n) => n,
         Err(e) => return error(&app, StatusCode::BAD_REQUEST, format!("not a routed notice: {e}")),
     };
-    match notice.handle.parse::<u64>() {
-        Ok(handle) if app.routed(handle, &notice.worker, notice.dp_rank) => StatusCode::NO_CONTENT.into_response(),
+    match notice.handle.parse::<u64>().map(|h| app.routed(h, &notice.worker, notice.dp_rank)) {
+        Ok(Routed::Applied) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Routed::Pending) => StatusCode::ACCEPTED.into_response(),
         _ => {
             app.stats.routed_refused.fetch_add(1, Ordering::Relaxed);
             (StatusCode::NOT_FOUND, "unknown or expired handle, or a worker of another model").into_response()

@@ -73,6 +73,27 @@ fn claim_window_ms(config: &RouterConfig) -> u64 {
     config.prefix_index.as_ref().map_or(25, |p| p.timeout_ms / 2)
 }
 
+/// How long a routed notice for a handle not known yet waits for the handle's registration.
+pub const PENDING_NOTICE_MS: u64 = 1_000;
+/// Notices waiting for their handle at most.
+const MAX_PENDING_NOTICES: usize = 4096;
+
+/// What became of a routed notice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routed {
+    Applied,
+    Pending,
+    Refused,
+}
+
+#[derive(Debug)]
+struct PendingNotice {
+    handle: u64,
+    worker: String,
+    dp_rank: Option<u32>,
+    until_ms: u64,
+}
+
 /// Where this process numbers its handles from: 24 random high bits, so the handles of replicas
 /// (which every replica may be told of) do not collide, and 2^40 matches before they could.
 fn first_handle() -> u64 {
@@ -187,6 +208,8 @@ pub struct App {
     ranks: Mutex<HashMap<(String, u32), RankStatus>>,
     worker_model: HashMap<String, String>,
     handles: Mutex<Handles>,
+    /// Routed notices that came before their handle (see [`App::routed`]).
+    pending_notices: Mutex<Vec<PendingNotice>>,
     budget: MemoryBudget,
     /// Permits for matching work (tokenizing, matching): a query waits for one until its deadline.
     pub work: tokio::sync::Semaphore,
@@ -263,6 +286,7 @@ impl App {
             ranks: Mutex::default(),
             worker_model,
             handles: Mutex::default(),
+            pending_notices: Mutex::default(),
             budget,
             work: tokio::sync::Semaphore::new(DEFAULT_MAX_CONCURRENT),
             patience: Duration::from_millis(config.prefix_index.as_ref().map_or(50, |p| p.timeout_ms).max(1)),
@@ -468,8 +492,19 @@ impl App {
         Some((matches, handle))
     }
 
-    /// Keeps a handle a routed notice may name, within the handles' share of the budget.
+    /// Keeps a handle a routed notice may name, within the handles' share of the budget; a
+    /// notice for it that came first is applied now.
     fn remember_handle(&self, handle: u64, model: &str, keys: Arc<[u64]>) {
+        let early = {
+            let mut pending = lock(&self.pending_notices);
+            let i = pending.iter().position(|p| p.handle == handle);
+            i.map(|i| pending.swap_remove(i)).filter(|p| p.until_ms > now_ms())
+        };
+        if let Some(notice) = early {
+            if self.worker_model(&notice.worker) == Some(model) {
+                self.apply_notice(handle, model, &keys, &notice.worker, notice.dp_rank);
+            }
+        }
         let mut handles = lock(&self.handles);
         let entry = (handle, model.to_string(), keys);
         handles.bytes += handle_bytes(&entry);
@@ -554,25 +589,48 @@ impl App {
         added
     }
 
-    /// A router sent the request behind `handle` to `worker`. `false` when the handle is unknown
-    /// (expired) or the worker does not serve that model.
-    pub fn routed(&self, handle: u64, worker: &str, dp_rank: Option<u32>) -> bool {
+    /// A router sent the request behind `handle` to `worker` (on `dp_rank`). `Applied`, or
+    /// `Pending` when the handle is not known here yet — a peer's registration of it may still be
+    /// on its way, and the notice is applied when it comes (within [`PENDING_NOTICE_MS`]) — or
+    /// `Refused` when the worker serves another model or too many notices are pending.
+    pub fn routed(&self, handle: u64, worker: &str, dp_rank: Option<u32>) -> Routed {
         let found = lock(&self.handles)
             .recent
             .iter()
             .find(|(id, _, _)| *id == handle)
             .map(|(_, model, keys)| (model.clone(), Arc::clone(keys)));
-        let Some((model, keys)) = found else { return false };
+        let Some((model, keys)) = found else {
+            if self.worker_model(worker).is_none() {
+                return Routed::Refused;
+            }
+            let now = now_ms();
+            let mut pending = lock(&self.pending_notices);
+            pending.retain(|p| p.until_ms > now);
+            if pending.len() >= MAX_PENDING_NOTICES {
+                return Routed::Refused;
+            }
+            pending.push(PendingNotice {
+                handle,
+                worker: worker.to_string(),
+                dp_rank,
+                until_ms: now + PENDING_NOTICE_MS,
+            });
+            drop(pending);
+            self.claims.routed(handle, now);
+            return Routed::Pending;
+        };
         if self.worker_model(worker) != Some(model.as_str()) {
-            return false;
+            return Routed::Refused;
         }
+        self.apply_notice(handle, &model, &keys, worker, dp_rank);
+        Routed::Applied
+    }
+
+    fn apply_notice(&self, handle: u64, model: &str, keys: &[u64], worker: &str, dp_rank: Option<u32>) {
         let until = now_ms() + SPECULATIVE_TTL_MS;
         self.stats.routed_notices.fetch_add(1, Ordering::Relaxed);
-        let applied = self
-            .with_index(&model, |index| index.add_speculative(worker, dp_rank.unwrap_or(0), &keys, until))
-            .is_some();
-        self.claims.routed(handle);
-        applied
+        self.with_index(model, |index| index.add_speculative(worker, dp_rank.unwrap_or(0), keys, until));
+        self.claims.routed(handle, now_ms());
     }
 
     /// Prometheus text.
@@ -727,7 +785,21 @@ mod tests {
         assert!(app.handle_bytes() > budget / 2, "the share is used, not wasted");
         let kept = lock(&app.handles).recent.back().map(|(_, _, keys)| keys.len());
         assert_eq!(kept, Some(MAX_ROUTED_BLOCKS));
-        assert!(app.routed(last, "A", None), "the newest handle is still there");
+        assert_eq!(app.routed(last, "A", None), Routed::Applied, "the newest handle is still there");
+    }
+
+    /// A routed notice can reach a replica before the peer's registration of its handle: it is
+    /// held, and applied when the registration comes.
+    #[tokio::test]
+    async fn a_notice_before_its_handle_is_applied_when_the_handle_comes() {
+        let app = app();
+        let keys: Vec<u64> = block_keys(&(0..16).collect::<Vec<u32>>(), 4, None, None);
+        assert_eq!(app.routed(7 << 40, "A", None), Routed::Pending);
+        assert_eq!(app.routed(7 << 40, "nobody", None), Routed::Refused);
+        let registration = Registration { handle: 7 << 40, model: "m".into(), keys: keys.clone() };
+        assert_eq!(app.register_handles(vec![registration]), 1);
+        let matched = app.matches("m", &keys).unwrap();
+        assert_eq!(matched.first().map(|(w, m)| (w.as_str(), m.matched_tokens)), Some(("A", 16)));
     }
 
     #[test]

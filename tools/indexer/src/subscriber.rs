@@ -108,6 +108,10 @@ pub struct Sequencer {
     can_replay: bool,
     repairing: Option<(u64, Option<u64>)>,
     held: std::collections::VecDeque<(u64, EventBatch)>,
+    /// The batches the last replay brought (`from..next`): their live copies may still arrive
+    /// (a publisher sends a batch live before its replay buffer has it, and our subscription may
+    /// read it after the replay answered), and are not news — until the first batch past them.
+    replayed: Option<(u64, u64)>,
 }
 
 impl Sequencer {
@@ -117,7 +121,7 @@ impl Sequencer {
 
     /// A rank whose entries a peer's snapshot brought, current to `next - 1`.
     pub fn resuming(can_replay: bool, next: Option<u64>) -> Self {
-        Self { next, can_replay, repairing: None, held: Default::default() }
+        Self { next, can_replay, repairing: None, held: Default::default(), replayed: None }
     }
 
     /// Whether a repair is out.
@@ -138,6 +142,7 @@ impl Sequencer {
         self.next = None;
         self.repairing = None;
         self.held.clear();
+        self.replayed = None;
         let mut steps = vec![Step::Drop(Dropped::Reconnected)];
         steps.extend(self.warm(0));
         steps
@@ -162,6 +167,11 @@ impl Sequencer {
             self.held.clear();
             self.next = Some(seq.wrapping_add(1));
             return vec![Step::Drop(Dropped::Overflow), Step::Apply { seq, batch, replayed: false }];
+        }
+        match self.replayed {
+            Some((from, next)) if seq >= from && seq < next => return Vec::new(),
+            Some(_) => self.replayed = None,
+            None => {}
         }
         let mut steps = Vec::new();
         match self.next {
@@ -192,6 +202,7 @@ impl Sequencer {
     /// held, in order.
     pub fn replayed(&mut self, batches: Option<Vec<(u64, EventBatch)>>) -> Vec<Step> {
         let Some((from, until)) = self.repairing.take() else { return Vec::new() };
+        let window = batches.as_ref().and_then(|b| Some((b.first()?.0, b.last()?.0.wrapping_add(1))));
         let apply = |b: Vec<(u64, EventBatch)>| {
             b.into_iter().map(|(seq, batch)| Step::Apply { seq, batch, replayed: true }).collect::<Vec<_>>()
         };
@@ -211,6 +222,7 @@ impl Sequencer {
                 }
                 let held = std::mem::take(&mut self.held);
                 self.next = held.front().map(|(s, _)| *s);
+                self.replayed = window;
                 for (seq, batch) in held {
                     steps.extend(self.live(seq, batch));
                 }
@@ -243,6 +255,7 @@ impl Sequencer {
                 let keep: Vec<_> = if fresh { all } else { all.into_iter().filter(|(s, _)| *s >= from).collect() };
                 self.next = last.map(|l| l.wrapping_add(1));
                 steps.extend(apply(keep));
+                self.replayed = window;
                 // What came live meanwhile and the replay already brought is not news.
                 let next = self.next;
                 let held: Vec<_> =
@@ -517,6 +530,18 @@ mod tests {
         assert!(quiet.replayed(Some(vec![])).is_empty(), "nothing published yet");
         assert_eq!(applied(&quiet.live(0, b(0.0))), [0.0]);
         assert!(Sequencer::new(false).subscribed().is_empty(), "no replay endpoint: live only");
+    }
+
+    /// A publisher sends a batch live before its replay buffer holds it, and the subscription may
+    /// read that live copy only after the replay (which had it) answered: not a restart.
+    #[test]
+    fn a_live_copy_of_a_replayed_batch_is_not_news() {
+        let mut s = Sequencer::new(true);
+        s.subscribed();
+        assert_eq!(applied(&s.replayed(Some(vec![(0, b(0.0)), (1, b(1.0)), (2, b(2.0))]))), [0.0, 1.0, 2.0]);
+        assert!(s.live(2, b(2.0)).is_empty(), "its live copy, late");
+        assert_eq!(applied(&s.live(3, b(3.0))), [3.0]);
+        assert_eq!(s.live(1, b(1.0))[0], Step::Drop(Dropped::Restart), "past the window a step back is a restart");
     }
 
     /// A peer's snapshot current to batch 4: the replay repairs from 5, or the rank is dropped
