@@ -45,8 +45,14 @@ pub fn tokenizer_dir() -> PathBuf {
 /// Starts `sgl-indexer` on `port` with the router configuration `render` wrote into `dir`, and
 /// waits until it is subscribed and serving.
 pub fn start_indexer(dir: &Path, port: u16) -> Process {
+    start_indexer_with(dir, port, &[])
+}
+
+/// [`start_indexer`] with more `sgl-indexer` flags.
+pub fn start_indexer_with(dir: &Path, port: u16, args: &[&str]) -> Process {
     let mut cmd = Command::new(indexer_bin());
     cmd.args(["--config", &dir.join("router.json").to_string_lossy(), "--listen", &format!("127.0.0.1:{port}")]);
+    cmd.args(args);
     let p = Process::spawn("sgl-indexer", &mut cmd, dir.join(format!("indexer-{port}.log")));
     let a = agent();
     wait_for("the indexer's health", Duration::from_secs(20), || {
@@ -74,11 +80,28 @@ pub fn envoy_bin() -> PathBuf {
     }
 }
 
+/// Ports handed out in this test process.
+static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+/// `n` consecutive free ports, none handed out before: an engine of `n` data-parallel ranks
+/// publishes on a base port plus its rank.
+pub fn free_ports(n: u16) -> u16 {
+    loop {
+        let base = free_port();
+        let rest: Vec<u16> = (1..n).filter_map(|i| base.checked_add(i)).collect();
+        let all_free = rest.len() == usize::from(n - 1)
+            && rest.iter().all(|p| TcpListener::bind(("127.0.0.1", *p)).is_ok())
+            && rest.iter().all(|p| GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(*p));
+        if all_free {
+            return base;
+        }
+    }
+}
+
 /// A port nobody listens on right now, and never handed out before in this test process: tests run
 /// side by side, and the kernel may give the port one test picked (and closed, to hand it to its
 /// engine or indexer) to the next test's pick before the first one binds it.
 pub fn free_port() -> u16 {
-    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
     loop {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -227,7 +250,8 @@ impl Sim {
         let process = Process::spawn(&format!("sim {}", spec.id), &mut cmd, dir.join(format!("sim-{}.log", spec.id)));
         let sim = Self { spec, port, bootstrap_port, process };
         let a = agent();
-        wait_for(&format!("sim {} to listen", sim.spec.id), Duration::from_secs(10), || {
+        // An engine publishing through SGLang's Python publisher starts one per rank first.
+        wait_for(&format!("sim {} to listen", sim.spec.id), Duration::from_secs(30), || {
             a.get(&sim.url("/sim/state")).call().ok().filter(|r| r.status() == 200)
         });
         sim

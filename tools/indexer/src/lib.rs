@@ -3,7 +3,9 @@
 //! model keyed by the indexer's own chained block keys (`index`), every engine byte passing a
 //! loopback frame guard first (`relay`); chat bodies are rendered with the
 //! model's chat template and tokenized as the engine does (`tokenize`); `http` answers the filter
-//! and anyone else. `state` holds what they share.
+//! and anyone else. `state` holds what they share. Replicas of `prefix_index.urls` agree claims and
+//! match handles (`replicas`), and a replica starting late loads a running one's view
+//! (`snapshot`) before it warms each rank up from the engine's replay (`subscriber`).
 //!
 //! Glossary: an engine *page* is what one of its events names (one block hash); a *block* is the
 //! indexer's `block_tokens`-token unit of matching; a *holder* is an engine rank and medium that
