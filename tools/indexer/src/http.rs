@@ -113,16 +113,11 @@ fn error(app: &App, status: StatusCode, message: impl Into<String>) -> Response 
 }
 
 /// The answer's shape is the filter's own ([`MatchAnswer`]): every engine's entry by id.
-fn answer(app: &App, input_tokens: Option<u64>, matches: Vec<(String, EngineMatch)>, handle: u64) -> MatchAnswer {
+fn answer(input_tokens: Option<u64>, matches: Vec<(String, EngineMatch)>, handle: u64) -> MatchAnswer {
     let data = matches
         .into_iter()
         .map(|(worker, m)| {
-            // Per rank only where there are several: a single-rank engine's match is its rank's.
-            let ranks = if app.dp_size(&worker) > 1 {
-                m.ranks.iter().map(|(r, t)| (r.to_string(), *t)).collect()
-            } else {
-                Default::default()
-            };
+            let ranks = m.ranks.iter().map(|(r, t)| (r.to_string(), *t)).collect();
             let held = |medium: Medium| m.by_medium.iter().find(|(x, _)| *x == medium).map_or(0, |(_, t)| *t);
             let entry = EngineEntry {
                 matched_tokens: m.matched_tokens,
@@ -159,7 +154,7 @@ async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> 
     };
     let (lora, salt) = (q.lora_name.as_deref(), q.cache_salt.as_deref());
     match app.match_tokens(&q.model, &q.token_ids, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(answer(&app, None, matches, handle)).into_response(),
+        Some((matches, handle)) => Json(answer(None, matches, handle)).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{}` has no index", q.model)),
     }
 }
@@ -203,7 +198,7 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
     let salt = chat.get("cache_salt").and_then(Value::as_str);
     let lora = chat.get("lora_path").and_then(Value::as_str);
     match app.match_tokens(&model, &tokens, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(answer(&app, Some(tokens.len() as u64), matches, handle)).into_response(),
+        Some((matches, handle)) => Json(answer(Some(tokens.len() as u64), matches, handle)).into_response(),
         None => error(&app, StatusCode::NOT_FOUND, format!("model `{model}` has no index")),
     }
 }

@@ -415,11 +415,6 @@ impl App {
         self.config.models.contains_key(model)
     }
 
-    /// The worker's data-parallel ranks (1 for an unknown worker).
-    pub fn dp_size(&self, worker: &str) -> u32 {
-        self.config.workers.iter().find(|w| w.id == worker).map_or(1, |w| w.dp_size.max(1))
-    }
-
     pub fn worker_model(&self, worker: &str) -> Option<&str> {
         self.worker_model.get(worker).map(String::as_str)
     }
