@@ -26,8 +26,10 @@ pub const DOWN_FOR: Duration = Duration::from_secs(1);
 /// Registrations waiting to go out at most; past it they are dropped (and counted): a peer that
 /// misses one only lacks that match's speculative entries until the engine's event confirms them.
 pub const OUTBOX: usize = 4096;
-/// Registrations sent in one request at most.
+/// Registrations sent in one request at most, and their keys at most: a peer reads 4 MiB of body,
+/// and a key takes up to 21 bytes of JSON.
 const BATCH: usize = 256;
+const BATCH_KEYS: usize = 96 * 1024;
 /// How long registrations gather before they go out.
 const GATHER: Duration = Duration::from_millis(2);
 
@@ -196,26 +198,43 @@ impl Replicas {
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 tokio::time::sleep(GATHER).await;
+                let mut keys = first.keys.len();
                 let mut batch = vec![first];
+                let mut next = None;
                 while batch.len() < BATCH {
                     match rx.try_recv() {
-                        Ok(r) => batch.push(r),
+                        Ok(r) if keys + r.keys.len() <= BATCH_KEYS => {
+                            keys += r.keys.len();
+                            batch.push(r);
+                        }
+                        Ok(r) => {
+                            next = Some(r);
+                            break;
+                        }
                         Err(_) => break,
                     }
                 }
-                let Ok(body) = serde_json::to_vec(&batch) else { continue };
-                let peers: Vec<String> = sender.peers().map(|u| format!("{u}{HANDLES_PATH}")).collect();
-                let this = Arc::clone(&sender);
-                // One peer down must not hold the others' registrations back.
-                let _ = tokio::task::spawn_blocking(move || {
-                    for url in peers {
-                        let _ = this.post(&url, body.clone());
-                    }
-                })
-                .await;
+                // One batch at a time: a slow peer slows the registrations, not the queries.
+                sender.send_batch(&batch).await;
+                if let Some(r) = next {
+                    sender.send_batch(&[r]).await;
+                }
             }
         });
         this
+    }
+
+    /// Posts one batch of registrations to every peer, off the async workers.
+    async fn send_batch(self: &Arc<Self>, batch: &[Registration]) {
+        let Ok(body) = serde_json::to_vec(batch) else { return };
+        let peers: Vec<String> = self.peers().map(|u| format!("{u}{HANDLES_PATH}")).collect();
+        let this = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || {
+            for url in peers {
+                let _ = this.post(&url, body.clone());
+            }
+        })
+        .await;
     }
 }
 
@@ -231,6 +250,17 @@ mod tests {
             serde_json::to_string(urls).unwrap()
         ))
         .unwrap()
+    }
+
+    /// A batch of registrations at its bound in keys still fits the body a peer reads.
+    #[test]
+    fn a_full_batch_of_registrations_fits_a_peers_body_limit() {
+        let one = |n: usize| Registration { handle: u64::MAX, model: "m".repeat(64), keys: vec![u64::MAX; n] };
+        let batch: Vec<Registration> = (0..BATCH).map(|_| one(BATCH_KEYS / BATCH)).collect();
+        let bytes = serde_json::to_vec(&batch).unwrap().len();
+        assert!(bytes < sgl_envoy_router::protocol::indexer::MAX_INDEXER_BODY_BYTES, "{bytes} bytes");
+        let alone = serde_json::to_vec(&[one(crate::state::MAX_ROUTED_BLOCKS)]).unwrap().len();
+        assert!(alone < sgl_envoy_router::protocol::indexer::MAX_INDEXER_BODY_BYTES, "the largest one alone: {alone}");
     }
 
     #[test]
