@@ -152,6 +152,20 @@ fn ranks_add_up_to_the_engine_totals() {
     let running: u64 = loads.iter().map(|l| l["num_running_reqs"].as_u64().unwrap()).sum();
     assert_eq!(running, 3);
     assert_eq!(loads[1]["dp_rank"], 1);
+
+    // Unpinned, each rank reports its own requests: one held on rank 1 shows there only.
+    sim.control(json!({"pin": null, "token_delay_ms": 100}));
+    let url = sim.url("/v1/chat/completions");
+    let mut body = chat_body("held on rank 1", 20, false);
+    body["routed_dp_rank"] = json!(1);
+    let held = std::thread::spawn(move || send(&url, "POST", Some(&body), &[]).status);
+    let per_rank = wait_for("the request running on rank 1", Duration::from_secs(5), || {
+        let v = send(&sim.url("/v1/loads"), "GET", None, &[]).json();
+        let running: Vec<u64> = v["loads"].as_array()?.iter().filter_map(|l| l["num_running_reqs"].as_u64()).collect();
+        (running.iter().sum::<u64>() == 1).then_some(running)
+    });
+    assert_eq!(per_rank, [0, 1]);
+    assert_eq!(held.join().unwrap(), 200);
 }
 
 #[test]

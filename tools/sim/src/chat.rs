@@ -219,7 +219,7 @@ async fn serve(
             _ => (kv::tokenize(&prompt_text(&body)), prompt_tokens(&body)),
         },
     };
-    let Some(mut slot) = engine.admit(prompt).await else {
+    let Some(mut slot) = engine.admit(prompt, dp_rank).await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
     // A batch (several prompts) is answered per prompt, each `n` times.

@@ -166,6 +166,8 @@ pub struct Engine {
     pub events: Vec<crate::events::Publisher>,
     /// Where a request that names no rank goes: round robin, as SGLang's DP controller's default.
     next_rank: AtomicU64,
+    /// Running and waiting requests per data-parallel rank (their sums are `running`, `waiting`).
+    rank_counts: Vec<(AtomicU64, AtomicU64)>,
     /// One prefill at a time, as an engine's prefill batch runs.
     pub prefill_lock: tokio::sync::Mutex<()>,
     pub chat_requests: AtomicU64,
@@ -207,6 +209,7 @@ impl Engine {
             tokenizer: None,
             events: Vec::new(),
             next_rank: AtomicU64::new(0),
+            rank_counts: (0..args.dp_size.max(1)).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
             prefill_lock: tokio::sync::Mutex::new(()),
             chat_requests: AtomicU64::new(0),
             fault_rng: AtomicU64::new(u64::from(args.port).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
@@ -245,15 +248,26 @@ impl Engine {
 
     /// Waits in FIFO order for a running slot. The returned guard keeps the counts true however
     /// the request ends (completed, failed, or dropped when the client goes away).
-    pub async fn admit(self: &Arc<Self>, prompt_tokens: u64) -> Option<RunningGuard> {
+    /// `rank` is the data-parallel rank serving the request, whose own counts move too.
+    pub async fn admit(self: &Arc<Self>, prompt_tokens: u64, rank: u32) -> Option<RunningGuard> {
+        let rank = (rank as usize).min(self.rank_counts.len().saturating_sub(1));
         self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.rank_counts[rank].1.fetch_add(1, Ordering::SeqCst);
         self.waiting_prompt_tokens.fetch_add(prompt_tokens, Ordering::SeqCst);
-        let waiting = WaitingGuard { engine: Arc::clone(self), prompt_tokens };
+        let waiting = WaitingGuard { engine: Arc::clone(self), prompt_tokens, rank };
         let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
         drop(waiting);
         self.running.fetch_add(1, Ordering::SeqCst);
+        self.rank_counts[rank].0.fetch_add(1, Ordering::SeqCst);
         self.kv_used.fetch_add(prompt_tokens, Ordering::SeqCst);
-        Some(RunningGuard { engine: Arc::clone(self), _permit: permit, kv_tokens: prompt_tokens })
+        Some(RunningGuard { engine: Arc::clone(self), _permit: permit, kv_tokens: prompt_tokens, rank })
+    }
+
+    /// Running and waiting requests of data-parallel rank `rank`.
+    pub fn rank_load(&self, rank: u32) -> (u64, u64) {
+        self.rank_counts
+            .get(rank as usize)
+            .map_or((0, 0), |(r, w)| (r.load(Ordering::SeqCst), w.load(Ordering::SeqCst)))
     }
 
     pub fn record(&self, record: RequestRecord) -> usize {
@@ -304,11 +318,13 @@ impl Engine {
 struct WaitingGuard {
     engine: Arc<Engine>,
     prompt_tokens: u64,
+    rank: usize,
 }
 
 impl Drop for WaitingGuard {
     fn drop(&mut self) {
         self.engine.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.engine.rank_counts[self.rank].1.fetch_sub(1, Ordering::SeqCst);
         self.engine.waiting_prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::SeqCst);
     }
 }
@@ -317,6 +333,7 @@ pub struct RunningGuard {
     engine: Arc<Engine>,
     _permit: OwnedSemaphorePermit,
     kv_tokens: u64,
+    rank: usize,
 }
 
 impl RunningGuard {
@@ -330,6 +347,7 @@ impl RunningGuard {
 impl Drop for RunningGuard {
     fn drop(&mut self) {
         self.engine.running.fetch_sub(1, Ordering::SeqCst);
+        self.engine.rank_counts[self.rank].0.fetch_sub(1, Ordering::SeqCst);
         self.engine.kv_used.fetch_sub(self.kv_tokens, Ordering::SeqCst);
     }
 }

@@ -50,12 +50,16 @@ pub async fn v1_loads(State(engine): State<Arc<Engine>>) -> Response {
     }
     let s = snapshot(&engine);
     let ranks = engine.args.dp_size.max(1);
+    let pinned = engine.control().pinned.is_some();
     let loads: Vec<_> = (0..ranks)
         .map(|r| {
+            // Each rank's own requests, unless the control endpoint pinned the engine's totals.
+            let (running, waiting) =
+                if pinned { (share(s.running, r, ranks), share(s.waiting, r, ranks)) } else { engine.rank_load(r) };
             json!({
                 "dp_rank": r,
-                "num_running_reqs": share(s.running, r, ranks),
-                "num_waiting_reqs": share(s.waiting, r, ranks),
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
                 "num_used_tokens": share(s.kv_used, r, ranks),
                 "max_total_num_tokens": share(engine.args.kv_capacity, r, ranks),
                 "max_running_requests": share(engine.args.max_running as u64, r, ranks),
@@ -74,12 +78,15 @@ pub async fn get_load(State(engine): State<Arc<Engine>>) -> Response {
     }
     let s = snapshot(&engine);
     let ranks = engine.args.dp_size.max(1);
+    let pinned = engine.control().pinned.is_some();
     let loads: Vec<_> = (0..ranks)
         .map(|r| {
+            let (running, waiting) =
+                if pinned { (share(s.running, r, ranks), share(s.waiting, r, ranks)) } else { engine.rank_load(r) };
             json!({
                 "dp_rank": r,
-                "num_reqs": share(s.running, r, ranks),
-                "num_waiting_reqs": share(s.waiting, r, ranks),
+                "num_reqs": running,
+                "num_waiting_reqs": waiting,
                 "num_tokens": share(s.kv_used, r, ranks),
             })
         })
