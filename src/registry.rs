@@ -93,6 +93,8 @@ pub struct Engine {
     /// SGLang's PD bootstrap port, prefill workers only.
     pub bootstrap_port: Option<u16>,
     pub dp_size: u32,
+    /// Draining: it takes no new request (its requests in flight complete).
+    pub draining: bool,
 }
 
 /// SGLang's default bootstrap port, used when a prefill worker does not name one.
@@ -160,9 +162,11 @@ impl LiveEngines {
         Arc::ptr_eq(&self.workers, &other.workers) && Arc::ptr_eq(&self.unavailable, &other.unavailable)
     }
 
-    /// Available workers of `model` serving `stage`, in id order.
+    /// Available workers of `model` serving `stage`, in id order; a draining worker is not one.
     pub fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Engine>> + 'a {
-        self.workers.iter().filter(move |w| w.model == model && w.role == stage && !self.unavailable.contains(&w.id))
+        self.workers
+            .iter()
+            .filter(move |w| w.model == model && w.role == stage && !w.draining && !self.unavailable.contains(&w.id))
     }
 }
 
@@ -208,16 +212,23 @@ mod tests {
             cluster: format!("sgl_{id}"),
             bootstrap_port: None,
             dp_size: 1,
+            draining: id == "D",
         };
         let registry = EngineRegistry::new(
-            [worker("C", Role::Plain), worker("A", Role::Plain), worker("B", Role::Plain), worker("P", Role::Prefill)],
+            [
+                worker("C", Role::Plain),
+                worker("A", Role::Plain),
+                worker("B", Role::Plain),
+                worker("D", Role::Plain),
+                worker("P", Role::Prefill),
+            ],
             Arc::new(Down("B")),
         );
         let live = registry.live();
         let ids: Vec<&str> = live.serving("m", Role::Plain).map(|w| w.id.as_str()).collect();
-        assert_eq!(ids, ["A", "C"]);
+        assert_eq!(ids, ["A", "C"], "B is down, D draining");
         assert_eq!(live.serving("other", Role::Plain).count(), 0);
-        assert_eq!(registry.all().len(), 4);
+        assert_eq!(registry.all().len(), 5);
     }
 
     #[test]

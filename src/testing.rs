@@ -18,6 +18,7 @@ pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Engine> {
         cluster: format!("sgl_{id}"),
         bootstrap_port: (role == Role::Prefill).then_some(8998),
         dp_size: 1,
+        draining: false,
     })
 }
 

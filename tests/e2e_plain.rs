@@ -35,6 +35,22 @@ fn two_plain_engines_both_receive_traffic() {
     assert_eq!(counts.get("B"), Some(&10), "{counts:?}");
 }
 
+/// `drain: true` (spec §8): the draining engine gets no request, the other all of them, and the
+/// gauge says how many drain. (Draining under an update, with streams in flight, is issue 27's.)
+#[test]
+fn a_draining_engine_takes_no_request() {
+    let d = Deployment::start("drain", vec![SimSpec::plain("A"), SimSpec::plain("B")], |sims| {
+        let mut router = plain_router(sims);
+        router["workers"][1]["drain"] = json!(true);
+        router
+    });
+    let counts = served_counts(&d, 10);
+    assert_eq!(counts.get("A"), Some(&10), "{counts:?}");
+    wait_for("the draining gauge", Duration::from_secs(10), || {
+        (d.envoy.metric("sgl_router_draining_workers{}")? == 1.0).then_some(())
+    });
+}
+
 #[test]
 fn non_streamed_response_is_the_engines_json() {
     let d = two_engines("json_reply");

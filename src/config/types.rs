@@ -140,6 +140,9 @@ pub struct WorkerConfig {
     /// The engine's replay ROUTER endpoint, for repairing gaps in the event sequence.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay: Option<String>,
+    /// Draining (spec §8): no new request goes to the worker; those in flight complete.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drain: bool,
 }
 
 impl WorkerConfig {

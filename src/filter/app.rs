@@ -70,6 +70,9 @@ impl AppContext {
             handles.tables_recheck_ms,
             health::stale_after_ms(config.health.interval_ms),
         ));
+        for w in workers.iter().filter(|w| w.draining) {
+            log::info!("worker {} is draining: it takes no new request, and completes those in flight", w.id);
+        }
         let registry = EngineRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
         let upstream = UpstreamHeader::new(&config.upstream);
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
@@ -101,6 +104,11 @@ impl AppContext {
     /// Configured workers the service does not monitor, and so routes nothing to.
     pub fn unmonitored_workers(&self) -> usize {
         self.availability.unmonitored()
+    }
+
+    /// Configured workers that are draining (`drain: true`): they take no new request.
+    pub fn draining_workers(&self) -> usize {
+        self.registry.all().iter().filter(|w| w.draining).count()
     }
 
     /// Whether the service's health table has gone stale (health reads as unknown).

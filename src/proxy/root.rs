@@ -142,6 +142,8 @@ impl RootContext for Root {
             self.export_replica();
             let unmonitored = app.borrow().unmonitored_workers() as u64;
             self.stats.gauge("sgl_router_unmonitored_workers", unmonitored);
+            let draining = app.borrow().draining_workers() as u64;
+            self.stats.gauge("sgl_router_draining_workers", draining);
             let stale = u64::from(app.borrow().health_stale());
             self.stats.gauge("sgl_router_health_table_stale", stale);
         }

@@ -127,6 +127,7 @@ mod tests {
             cluster: format!("sgl_{id}"),
             bootstrap_port: None,
             dp_size: 1,
+            draining: false,
         })
     }
 

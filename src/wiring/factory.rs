@@ -98,6 +98,7 @@ pub fn workers(config: &RouterConfig) -> Vec<Engine> {
                 cluster: w.cluster_name(),
                 bootstrap_port: (w.role == Role::Prefill).then(|| w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT)),
                 dp_size: w.dp_size,
+                draining: w.drain,
             })
         })
         .collect()
