@@ -29,6 +29,7 @@ fn workers(n: usize) -> Vec<Arc<Engine>> {
                 cluster: format!("sgl_w{i:04}"),
                 bootstrap_port: None,
                 dp_size: 1,
+                draining: false,
             })
         })
         .collect()
