@@ -435,7 +435,7 @@ impl RequestLife {
         let prefill_tokens = if exchange.decision().pd.is_some() { 0 } else { exchange.decision().prefill_tokens };
         let guard = app.on_dispatch(&upstream.id, prefill_tokens);
         exchange.dispatched(&upstream.id);
-        // Fire and forget: the indexer's routed notice.
+        // The indexers' routed notices: nothing waits for them; their answers are only counted.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
         self.state = State::Routed(Box::new(Routed {
             exchange,

@@ -148,8 +148,9 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     };
     let mut counters = metrics::selected(&selection);
     counters.extend(lookup_counter);
+    let answered = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok());
     // The data-parallel rank of each engine chosen, where it has several (spec §7).
-    let hits = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok()).map(|m| m.hits.as_slice());
+    let hits = answered.map(|m| m.hits.as_slice());
     let mut loads = None;
     let mut rank_of = |engine: &Engine, matched: bool| {
         if engine.dp_size <= 1 {
@@ -205,7 +206,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         tier: Tier::Gpu,
     });
     // The indexer holds the blocks for the engine that prefills them until its own event says so.
-    let handle = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok()).and_then(|m| m.handle.as_deref());
+    let handle = answered.and_then(|m| m.handle.as_deref());
     let notices = match (wiring.indexer, handle) {
         (Some(client), Some(handle)) => client.routed_notices(handle, &target.prefill_work().id, rank),
         _ => Vec::new(),

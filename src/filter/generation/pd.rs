@@ -194,17 +194,6 @@ pub fn new_room(random: &dyn RandomSource) -> u64 {
     random.next_u64() & (u64::MAX >> 1)
 }
 
-/// The body with the bootstrap fields, and its rooms.
-pub fn bootstrap_body(
-    mut body: Map<String, Value>,
-    prefill: &Engine,
-    n: u64,
-    random: &dyn RandomSource,
-) -> (Vec<u8>, Vec<u64>) {
-    let rooms = bootstrap_fields(&mut body, prefill, n, random);
-    (Value::Object(body).to_string().into_bytes(), rooms)
-}
-
 /// Writes the bootstrap fields into `body`; returns its rooms.
 pub fn bootstrap_fields(
     body: &mut Map<String, Value>,
@@ -237,6 +226,17 @@ mod tests {
     use crate::registry::Role;
     use crate::testing::test;
     use crate::testing::worker_with;
+
+    /// The body with the bootstrap fields, and its rooms.
+    fn bootstrap_body(
+        mut body: Map<String, Value>,
+        prefill: &Engine,
+        n: u64,
+        random: &dyn RandomSource,
+    ) -> (Vec<u8>, Vec<u64>) {
+        let rooms = bootstrap_fields(&mut body, prefill, n, random);
+        (Value::Object(body).to_string().into_bytes(), rooms)
+    }
 
     fn parsed(v: Value) -> Map<String, Value> {
         v.as_object().cloned().unwrap()

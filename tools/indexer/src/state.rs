@@ -453,16 +453,14 @@ impl App {
         // A notice adds at most MAX_ROUTED_BLOCKS blocks: the handle keeps no more keys than that.
         let kept: Arc<[u64]> =
             if keys.len() > MAX_ROUTED_BLOCKS { keys[..MAX_ROUTED_BLOCKS].into() } else { Arc::clone(&keys) };
-        if will_notify {
-            // Known before any claim opens under it, here and (soon) at every peer.
-            self.remember_handle(handle, model, Arc::clone(&kept));
-            if self.replicas.has_peers() {
-                let registration = Registration { handle, model: model.to_string(), keys: kept.to_vec() };
-                if !self.replicas.register(registration) {
-                    self.stats.registrations_dropped.fetch_add(1, Ordering::Relaxed);
-                }
+        // Known before any claim opens under it, here and (soon) at every peer.
+        if will_notify && self.replicas.has_peers() {
+            let registration = Registration { handle, model: model.to_string(), keys: kept.to_vec() };
+            if !self.replicas.register(registration) {
+                self.stats.registrations_dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
+        self.remember_handle(handle, model, kept);
         if let Turn::Wait { mut routed, until_ms, .. } =
             self.arbitrate(model, &keys, best(&matches), claim_as, true).await
         {
@@ -481,9 +479,6 @@ impl App {
             }
             Some(_) => self.stats.hits_speculative.fetch_add(1, Ordering::Relaxed),
         };
-        if !will_notify {
-            self.remember_handle(handle, model, kept);
-        }
         Some((matches, handle))
     }
 
