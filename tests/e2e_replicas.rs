@@ -45,6 +45,17 @@ fn publishing_ranks(id: &str, replay: bool, ranks: u16) -> (SimSpec, u16, Option
 
 /// The router: `engines` publishing, every cache-aware group remote, the indexers at `indexers`.
 fn router(sims: &[Sim], ports: &[(u16, Option<u16>)], indexers: &[u16], min_hit: u64) -> Value {
+    router_with_timeout(sims, ports, indexers, min_hit, 200)
+}
+
+/// [`router`] with the filter's indexer budget `timeout_ms` (a claim holds queries half of it).
+fn router_with_timeout(
+    sims: &[Sim],
+    ports: &[(u16, Option<u16>)],
+    indexers: &[u16],
+    min_hit: u64,
+    timeout_ms: u64,
+) -> Value {
     let tok = tokenizer_dir();
     let mut workers: Vec<Value> = sims.iter().map(Sim::worker_json).collect();
     for (w, (events, replay)) in workers.iter_mut().zip(ports) {
@@ -57,7 +68,7 @@ fn router(sims: &[Sim], ports: &[(u16, Option<u16>)], indexers: &[u16], min_hit:
         "workers": workers,
         "health": {"interval_ms": 200, "timeout_ms": 150, "failure_threshold": 2, "success_threshold": 1},
         "prefix_index": {"urls": indexers.iter().map(|p| format!("http://127.0.0.1:{p}")).collect::<Vec<_>>(),
-                         "timeout_ms": 200},
+                         "timeout_ms": timeout_ms},
         "models": {"demo-model": {
             "tokenizer": tok.join("tokenizer.json"),
             "chat_template": tok.join("tokenizer_config.json"),
@@ -178,11 +189,15 @@ fn a_burst_over_two_envoys_asking_different_indexers_lands_on_one_engine() {
     let (i0, i1) = (free_port(), free_port());
     let engines: Vec<_> = ["A", "B", "C", "D"].iter().map(|id| publishing(id, true)).collect();
     let ports: Vec<(u16, Option<u16>)> = engines.iter().map(|(_, e, r)| (*e, *r)).collect();
-    let d = deploy("replicas_burst", engines, &[i0, i1], 1024);
+    // Twenty 4k-token prompts tokenized at once by debug builds beside other tests: a budget that
+    // holds on a busy CI machine (a slower answer would be unavailable and routed on load).
+    let budget = 1000;
+    let specs = engines.into_iter().map(|(s, _, _)| s).collect();
+    let d =
+        Deployment::start("replicas_burst", specs, |sims| router_with_timeout(sims, &ports, &[i0, i1], 1024, budget));
     let _first = start_indexer(&d.dir, i0);
     let _second = start_indexer(&d.dir, i1);
-    let mut reversed = router(&d.sims, &ports, &[i1, i0], 1024);
-    reversed["prefix_index"]["urls"] = json!([format!("http://127.0.0.1:{i1}"), format!("http://127.0.0.1:{i0}")]);
+    let reversed = router_with_timeout(&d.sims, &ports, &[i1, i0], 1024, budget);
     let other = another_envoy(&reversed, &d.dir.join("second-envoy"));
     d.wait_for_service(4);
     let nonce = now_unix_ms();
@@ -212,7 +227,17 @@ fn a_burst_over_two_envoys_asking_different_indexers_lands_on_one_engine() {
             metrics(*p).lines().filter(|l| l.starts_with("sgl_indexer_claim")).map(String::from).collect::<Vec<_>>()
         })
         .collect();
-    assert!(engines.iter().all(|e| *e == engines[0]), "the burst scattered: {engines:?}\n{claims:#?}");
+    let lookups: Vec<String> = [&d.envoy, &other]
+        .iter()
+        .flat_map(|e| {
+            e.admin("/stats/prometheus")
+                .lines()
+                .filter(|l| l.starts_with("sgl_router_prefix_lookups_total"))
+                .map(String::from)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(engines.iter().all(|e| *e == engines[0]), "the burst scattered: {engines:?}\n{claims:#?}\n{lookups:#?}");
     let answered_by_second = other.metric("sgl_router_indexer_queries_total{indexer=\"sgl_indexer\"}").unwrap_or(0.0);
     assert!(answered_by_second >= 10.0, "the second Envoy asked its own first indexer ({answered_by_second})");
 }
