@@ -305,6 +305,14 @@ fn last_record(sim: &Sim) -> Value {
     recent.into_iter().rev().find(|r| r["path"] == "/v1/chat/completions").unwrap_or(Value::Null)
 }
 
+/// Waits until the indexer on `port` has `engine`'s rank 1 holding the prompt behind `system`.
+fn wait_for_rank_one(port: u16, system: &str, engine: &str) {
+    wait_for(&format!("{engine}'s rank 1 events in the index"), Duration::from_secs(10), || {
+        let v = indexer_match(port, &ask(system, "x"));
+        (v["data"][engine]["ranks"]["1"].as_u64()? > 100).then_some(())
+    });
+}
+
 /// An engine of two data-parallel ranks whose rank 1 holds the prompt: the request reaching it
 /// names `routed_dp_rank: 1`, plain and (on a prefill engine) in PD.
 #[test]
@@ -319,10 +327,7 @@ fn the_rank_that_holds_the_prefix_is_named_plain_and_in_pd() {
     direct["routed_dp_rank"] = json!(1);
     assert_eq!(send(&d.sim("A").url("/v1/chat/completions"), "POST", Some(&direct), &[]).status, 200);
     assert_eq!(last_record(d.sim("A"))["dp_rank"], 1, "the premise: rank 1 served it");
-    wait_for("rank 1's events in the index", Duration::from_secs(10), || {
-        let v = indexer_match(indexer, &ask(&system, "x"));
-        (v["data"]["A"]["ranks"]["1"].as_u64()? > 100).then_some(())
-    });
+    wait_for_rank_one(indexer, &system, "A");
     let r = d.chat(&ask(&system, "which rank?"));
     assert_eq!((r.status, r.header("x-sgl-worker")), (200, Some("A")), "{}", r.body);
     let record = last_record(d.sim("A"));
@@ -351,10 +356,7 @@ fn the_rank_that_holds_the_prefix_is_named_plain_and_in_pd() {
     direct["bootstrap_host"] = json!("127.0.0.1");
     direct["bootstrap_port"] = json!(d.sim("P").bootstrap_port);
     assert_eq!(send(&d.sim("P").url("/v1/chat/completions"), "POST", Some(&direct), &[]).status, 200);
-    wait_for("the prefill rank's events in the index", Duration::from_secs(10), || {
-        let v = indexer_match(indexer, &ask(&system, "x"));
-        (v["data"]["P"]["ranks"]["1"].as_u64()? > 100).then_some(())
-    });
+    wait_for_rank_one(indexer, &system, "P");
     let r = d.chat(&ask(&system, "which rank in PD?"));
     assert_eq!((r.status, r.header("x-sgl-prefill-worker")), (200, Some("P")), "{}", r.body);
     let prefill = last_record(d.sim("P"));
