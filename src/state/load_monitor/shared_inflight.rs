@@ -29,73 +29,113 @@ use crate::state::{keys, vm_registry};
 pub const SYNC_MS: u64 = 5;
 
 /// Leads each VM's key: an empty value would read back as absent.
-const SHARE_HEADER: [u8; 8] = *b"sglinf02";
+const SHARE_HEADER: [u8; 8] = *b"sglinf03";
 /// Leads the dead VMs' folded totals, which only the service writes.
-const RETIRED_HEADER: [u8; 8] = *b"sglret02";
+const RETIRED_HEADER: [u8; 8] = *b"sglret03";
 const RECORD_WORDS: usize = 8;
 const RETIRED_WORDS: usize = 2;
 
-fn words<'a>(bytes: &'a [u8], header: &[u8; 8], per_record: usize) -> Option<impl Iterator<Item = u64> + 'a> {
-    let body = bytes.strip_prefix(header.as_slice())?;
-    (body.len() % (per_record * 8) == 0).then(|| body.chunks_exact(8).map(|w| decode_u64(w).unwrap_or(0)))
-}
-
-fn encode_records(records: &[Record]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(SHARE_HEADER.len() + records.len() * RECORD_WORDS * 8);
-    out.extend_from_slice(&SHARE_HEADER);
-    for r in records {
-        let q = &r.queue;
-        let record = [
-            r.inflight,
-            r.total,
-            r.outstanding_tokens,
-            r.prefilled,
-            q.tokens,
-            q.at_ms,
-            q.tokens_per_ms.to_bits(),
-            r.hold_ms.to_bits(),
-        ];
-        for w in record {
+/// A value naming its workers, then one row of `W` words per worker: VMs configured at different
+/// times (a live update of the filter configuration) list different workers, in different orders.
+fn encode_rows<'a, const W: usize>(
+    header: &[u8; 8],
+    rows: impl ExactSizeIterator<Item = (&'a str, [u64; W])> + Clone,
+) -> Vec<u8> {
+    let names: usize = rows.clone().map(|(id, _)| 2 + id.len()).sum();
+    let mut out = Vec::with_capacity(header.len() + 4 + names + rows.len() * W * 8);
+    out.extend_from_slice(header);
+    out.extend_from_slice(&(rows.len() as u32).to_le_bytes());
+    for (id, _) in rows.clone() {
+        let id = &id.as_bytes()[..id.len().min(usize::from(u16::MAX))];
+        out.extend_from_slice(&(id.len() as u16).to_le_bytes());
+        out.extend_from_slice(id);
+    }
+    for (_, row) in rows {
+        for w in row {
             out.extend_from_slice(&w.to_le_bytes());
         }
     }
     out
 }
 
-/// A VM's published records, or `None` for one this build cannot read (or a reclaimed VM's).
-fn decode_records(bytes: &[u8], workers: usize) -> Option<Vec<Record>> {
-    let mut w = words(bytes, &SHARE_HEADER, RECORD_WORDS)?;
-    let mut out = Vec::with_capacity(workers);
-    for _ in 0..workers {
-        let mut next = || w.next();
-        out.push(Record {
-            inflight: next()?,
-            total: next()?,
-            outstanding_tokens: next()?,
-            prefilled: next()?,
-            queue: PrefillQueue { tokens: next()?, at_ms: next()?, tokens_per_ms: f64::from_bits(next()?) },
-            hold_ms: f64::from_bits(next()?),
-        });
+/// The rows of a value for the workers `index` knows, by their position there; `None` for a value
+/// this build cannot read. Workers the value names and `index` does not are skipped.
+fn decode_rows<const W: usize>(
+    bytes: &[u8],
+    header: &[u8; 8],
+    index: &hashbrown::HashMap<String, usize>,
+) -> Option<Vec<(usize, [u64; W])>> {
+    let mut rest = bytes.strip_prefix(header.as_slice())?;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(n)?;
+        rest = tail;
+        Some(head)
+    };
+    let count = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
+    let mut slots = Vec::with_capacity(count.min(4096));
+    for _ in 0..count {
+        let len = u16::from_le_bytes(take(2)?.try_into().ok()?) as usize;
+        let id = std::str::from_utf8(take(len)?).ok()?;
+        slots.push(index.get(id).copied());
+    }
+    let mut out = Vec::with_capacity(slots.len());
+    for slot in slots {
+        let mut row = [0u64; W];
+        for w in &mut row {
+            *w = decode_u64(take(8)?)?;
+        }
+        if let Some(slot) = slot {
+            out.push((slot, row));
+        }
+    }
+    rest.is_empty().then_some(out)
+}
+
+fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
+    let q = &r.queue;
+    [
+        r.inflight,
+        r.total,
+        r.outstanding_tokens,
+        r.prefilled,
+        q.tokens,
+        q.at_ms,
+        q.tokens_per_ms.to_bits(),
+        r.hold_ms.to_bits(),
+    ]
+}
+
+fn row_record(w: [u64; RECORD_WORDS]) -> Record {
+    Record {
+        inflight: w[0],
+        total: w[1],
+        outstanding_tokens: w[2],
+        prefilled: w[3],
+        queue: PrefillQueue { tokens: w[4], at_ms: w[5], tokens_per_ms: f64::from_bits(w[6]) },
+        hold_ms: f64::from_bits(w[7]),
+    }
+}
+
+/// A VM's published records, by `index`'s positions (absent workers: zero), or `None` for a value
+/// this build cannot read (or a reclaimed VM's).
+fn decode_records(bytes: &[u8], index: &hashbrown::HashMap<String, usize>) -> Option<Vec<Record>> {
+    let mut out = vec![Record::default(); index.len()];
+    for (slot, row) in decode_rows::<RECORD_WORDS>(bytes, &SHARE_HEADER, index)? {
+        if let Some(r) = out.get_mut(slot) {
+            *r = row_record(row);
+        }
     }
     Some(out)
 }
 
-fn decode_retired(bytes: &[u8], workers: usize) -> Vec<(u64, u64)> {
-    let mut out = vec![(0, 0); workers];
-    if let Some(mut w) = words(bytes, &RETIRED_HEADER, RETIRED_WORDS) {
-        for slot in &mut out {
-            match (w.next(), w.next()) {
-                (Some(total), Some(prefilled)) => *slot = (total, prefilled),
-                _ => break,
-            }
+fn decode_retired(bytes: &[u8], index: &hashbrown::HashMap<String, usize>) -> Vec<(u64, u64)> {
+    let mut out = vec![(0, 0); index.len()];
+    for (slot, [total, prefilled]) in decode_rows::<RETIRED_WORDS>(bytes, &RETIRED_HEADER, index).unwrap_or_default() {
+        if let Some(s) = out.get_mut(slot) {
+            *s = (total, prefilled);
         }
     }
     out
-}
-
-fn encode_retired(retired: &[(u64, u64)]) -> Vec<u8> {
-    let body = retired.iter().flat_map(|(t, p)| t.to_le_bytes().into_iter().chain(p.to_le_bytes()));
-    RETIRED_HEADER.into_iter().chain(body).collect()
 }
 
 /// The mean of two hold-time averages, each weighted by the dispatches behind it.
@@ -146,6 +186,8 @@ struct Synced {
 pub struct SharedInflight {
     host: Arc<dyn Host>,
     vm: u64,
+    /// The configured workers, in order; `index` finds one's position.
+    names: Vec<String>,
     index: hashbrown::HashMap<String, usize>,
     state: Mutex<Synced>,
 }
@@ -154,8 +196,14 @@ impl SharedInflight {
     /// `vm` names this VM's key; it must be unique per VM instance. The service, which dispatches
     /// nothing, reads with its own id and never publishes.
     pub fn new<'a>(host: Arc<dyn Host>, vm: u64, workers: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut names: Vec<String> = Vec::new();
+        for id in workers {
+            if !names.iter().any(|n| n == id) {
+                names.push(id.to_string());
+            }
+        }
         let index: hashbrown::HashMap<String, usize> =
-            workers.into_iter().enumerate().map(|(i, id)| (id.to_string(), i)).collect();
+            names.iter().enumerate().map(|(i, id)| (id.clone(), i)).collect();
         let n = index.len();
         let state = Synced {
             own: vec![Record::default(); n],
@@ -165,11 +213,19 @@ impl SharedInflight {
             published: Period::every(SYNC_MS),
             read: Period::every(SYNC_MS),
         };
-        Self { host, vm, index, state: Mutex::new(state) }
+        Self { host, vm, names, index, state: Mutex::new(state) }
     }
 
     fn workers(&self) -> usize {
         self.index.len()
+    }
+
+    fn encode_records(&self, records: &[Record]) -> Vec<u8> {
+        encode_rows(&SHARE_HEADER, self.names.iter().zip(records).map(|(id, r)| (id.as_str(), record_row(r))))
+    }
+
+    fn encode_retired(&self, retired: &[(u64, u64)]) -> Vec<u8> {
+        encode_rows(&RETIRED_HEADER, self.names.iter().zip(retired).map(|(id, &(t, p))| (id.as_str(), [t, p])))
     }
 
     fn others(&self, now_ms: u64) -> Result<Vec<Record>, HostError> {
@@ -179,14 +235,14 @@ impl SharedInflight {
                 continue;
             }
             let Some(value) = self.host.shared_get(&keys::inflight_share(vm))? else { continue };
-            if let Some(records) = decode_records(&value.bytes, self.workers()) {
+            if let Some(records) = decode_records(&value.bytes, &self.index) {
                 for (s, r) in sum.iter_mut().zip(&records) {
                     fold(s, r, now_ms);
                 }
             }
         }
         if let Some(value) = self.host.shared_get(keys::INFLIGHT_RETIRED)? {
-            for (s, (total, prefilled)) in sum.iter_mut().zip(decode_retired(&value.bytes, self.workers())) {
+            for (s, (total, prefilled)) in sum.iter_mut().zip(decode_retired(&value.bytes, &self.index)) {
                 s.total = s.total.saturating_add(total);
                 s.prefilled = s.prefilled.saturating_add(prefilled);
             }
@@ -200,7 +256,7 @@ impl SharedInflight {
     pub fn reclaim(&self, dead: &[u64]) -> Result<u64, HostError> {
         let host = self.host.as_ref();
         let mut retired = match host.shared_get(keys::INFLIGHT_RETIRED)? {
-            Some(v) => decode_retired(&v.bytes, self.workers()),
+            Some(v) => decode_retired(&v.bytes, &self.index),
             None => vec![(0, 0); self.workers()],
         };
         let mut dropped = 0u64;
@@ -208,7 +264,7 @@ impl SharedInflight {
         for &vm in dead {
             let key = keys::inflight_share(vm);
             let Some(value) = host.shared_get(&key)? else { continue };
-            let Some(records) = decode_records(&value.bytes, self.workers()) else { continue };
+            let Some(records) = decode_records(&value.bytes, &self.index) else { continue };
             for (slot, r) in retired.iter_mut().zip(&records) {
                 slot.0 = slot.0.saturating_add(r.total);
                 slot.1 = slot.1.saturating_add(r.prefilled);
@@ -222,9 +278,9 @@ impl SharedInflight {
         // The dead VMs are already out of the registry, so no reader reads their keys: until the
         // totals below land, a reader misses their dispatches for one sync. Emptying the keys
         // keeps a second reclaim from counting them again.
-        host.shared_set(keys::INFLIGHT_RETIRED, &encode_retired(&retired), None)?;
+        host.shared_set(keys::INFLIGHT_RETIRED, &self.encode_retired(&retired), None)?;
         for key in emptied {
-            host.shared_set(&key, &SHARE_HEADER, None)?;
+            host.shared_set(&key, &encode_rows::<RECORD_WORDS>(&SHARE_HEADER, std::iter::empty()), None)?;
         }
         Ok(dropped)
     }
@@ -234,7 +290,7 @@ impl SharedInflight {
             Ok(mut state) if state.dirty => {
                 state.dirty = false;
                 state.published.done(now_ms);
-                encode_records(&state.own)
+                self.encode_records(&state.own)
             }
             _ => return,
         };
@@ -370,6 +426,29 @@ mod tests {
         assert_eq!(vm1.inflight("B"), 0);
     }
 
+    /// VMs configured before and after a live update list different workers in different orders:
+    /// each counts a worker they share under its name, and ignores the others'.
+    #[test]
+    fn vms_of_different_configurations_agree_on_the_workers_they_share() {
+        let host = Arc::new(MemoryHost::default());
+        let old = vm(&host, 1);
+        vm_registry::heartbeat(host.as_ref(), 2, 0, true).unwrap();
+        let new = SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 2, ["C", "B"]);
+        old.acquire("A", PrefillWork::NONE);
+        old.acquire("B", PrefillWork::NONE);
+        new.acquire("C", PrefillWork::NONE);
+        new.acquire("B", PrefillWork::NONE);
+        old.sync();
+        new.sync();
+        old.sync();
+        assert_eq!((new.inflight("B"), new.inflight("C"), new.inflight("A")), (2, 1, 0));
+        assert_eq!((old.inflight("A"), old.inflight("B")), (1, 2));
+        let service = SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, ["B", "C"]);
+        assert_eq!(service.reclaim(&[1]).unwrap(), 1, "its request to B is dropped; A is no longer configured");
+        new.sync();
+        assert_eq!((new.inflight("B"), new.dispatched_total("B")), (1, 2), "its dispatches to B still count");
+    }
+
     #[test]
     fn the_request_path_makes_no_host_call_and_an_idle_sync_writes_nothing() {
         let host = Arc::new(MemoryHost::default());
@@ -380,7 +459,7 @@ mod tests {
         vm1.acquire("B", PrefillWork::NONE);
         assert_eq!(host.shared_get(&key).unwrap(), None);
         vm1.sync();
-        let published = decode_records(&host.shared_get(&key).unwrap().unwrap().bytes, 2).unwrap();
+        let published = decode_records(&host.shared_get(&key).unwrap().unwrap().bytes, &vm1.index).unwrap();
         assert_eq!((published[0].inflight, published[1].inflight), (0, 1));
     }
 
