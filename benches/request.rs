@@ -137,7 +137,7 @@ fn publish_state(service: &mut ServiceCore, host: &CountingHost) {
                 PollKind::Load(_) => loads,
                 PollKind::Health(_) => b"",
             };
-            service.on_poll_answer(poll.kind, Some(200), body, now);
+            service.on_poll_answer(poll.kind, poll.generation, Some(200), body, now);
         }
         host.inner.advance_ms(2_000);
     }

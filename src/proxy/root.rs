@@ -16,7 +16,7 @@ use crate::config;
 use crate::filter::AppContext;
 use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
-use crate::state::vm_registry;
+use crate::state::{filter_config, vm_registry};
 use crate::wiring::factory::filter_handles;
 use std::time::Duration;
 
@@ -76,6 +76,17 @@ impl Root {
     }
 }
 
+impl Root {
+    fn start_service(&mut self, own: Option<(config::RouterConfig, String)>) -> bool {
+        let mut service = Service::new(own, Rc::clone(&self.stats));
+        if let Some(period) = service.new_tick_period() {
+            self.set_tick_period(period);
+        }
+        self.service = Some(service);
+        true
+    }
+}
+
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         if let Some(service) = self.service.as_mut() {
@@ -87,7 +98,12 @@ impl Context for Root {
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
         let raw = self.get_plugin_configuration().unwrap_or_default();
-        let text = String::from_utf8_lossy(&raw);
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let id = root_id();
+        // The service may go without one: it follows the filter's (spec §8).
+        if id == SERVICE_ROOT_ID && text.trim().is_empty() {
+            return self.start_service(None);
+        }
         let parsed = match config::parse_and_validate(&text) {
             Ok(c) => c,
             Err(errors) => {
@@ -97,10 +113,12 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let id = root_id();
         match id.as_str() {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
+                if let Err(e) = filter_config::announce(host.as_ref(), &text) {
+                    log::warn!("filter configuration not announced to the service: {e}");
+                }
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
                 let (handles, prefixes) = filter_handles(&parsed, host, vm);
                 self.prefixes = Some(prefixes);
@@ -109,12 +127,7 @@ impl RootContext for Root {
                 self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
                 true
             }
-            SERVICE_ROOT_ID => {
-                let service = Service::new(parsed, Rc::clone(&self.stats));
-                self.set_tick_period(service.tick_period());
-                self.service = Some(service);
-                true
-            }
+            SERVICE_ROOT_ID => self.start_service(Some((parsed, text))),
             other => {
                 log::error!(
                     "sgl-envoy-router: unknown root_id `{other}`; use `{FILTER_ROOT_ID}` for the HTTP filter or `{SERVICE_ROOT_ID}` for the bootstrap service"
@@ -133,6 +146,9 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
+            if let Some(period) = service.new_tick_period() {
+                self.set_tick_period(period);
+            }
         }
         if let Some(app) = self.filter.clone() {
             // What this VM did just before it went quiet reaches the others here at the latest.

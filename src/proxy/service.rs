@@ -13,18 +13,21 @@ use super::host::{dispatch, ProxyHost};
 use super::stats::Stats;
 use crate::config::RouterConfig;
 use crate::host::Host;
-use crate::service::{PollKind, ServiceCore};
+use crate::service::{FollowingService, PollKind};
 use crate::state::keys;
 
 pub struct Service {
-    core: ServiceCore,
-    pending: HashMap<u32, PollKind>,
+    core: FollowingService,
+    /// Each poll out, with the worker list it was sent for.
+    pending: HashMap<u32, (PollKind, u32)>,
     prefix_queue: Option<u32>,
     stats: Rc<Stats>,
+    period: Option<Duration>,
 }
 
 impl Service {
-    pub fn new(config: RouterConfig, stats: Rc<Stats>) -> Self {
+    /// `own`: the service's bootstrap configuration and its text, if it has one.
+    pub fn new(own: Option<(RouterConfig, String)>, stats: Rc<Stats>) -> Self {
         let prefix_queue = match hostcalls::register_shared_queue(keys::PREFIX_QUEUE) {
             Ok(id) => Some(id),
             Err(status) => {
@@ -32,11 +35,24 @@ impl Service {
                 None
             }
         };
-        Self { core: ServiceCore::new(config, Arc::new(ProxyHost)), pending: HashMap::new(), prefix_queue, stats }
+        Self {
+            core: FollowingService::new(own, Arc::new(ProxyHost)),
+            pending: HashMap::new(),
+            prefix_queue,
+            stats,
+            period: None,
+        }
     }
 
     pub fn tick_period(&self) -> Duration {
         Duration::from_millis(self.core.tick_period_ms())
+    }
+
+    /// The tick period, when it changed since it was last asked for (a followed configuration
+    /// may check more often or less).
+    pub fn new_tick_period(&mut self) -> Option<Duration> {
+        let period = self.tick_period();
+        (self.period.replace(period) != Some(period)).then_some(period)
     }
 
     pub fn on_tick(&mut self) {
@@ -45,7 +61,7 @@ impl Service {
         for poll in plan.polls {
             match dispatch(&poll.request) {
                 Ok(token) => {
-                    self.pending.insert(token, poll.kind);
+                    self.pending.insert(token, (poll.kind, poll.generation));
                 }
                 Err(e) => {
                     log::warn!("poll {} of {} not dispatched: {e}", poll.request.path, poll.request.cluster);
@@ -59,7 +75,7 @@ impl Service {
     }
 
     pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
-        let Some(kind) = self.pending.remove(&token) else {
+        let Some((kind, generation)) = self.pending.remove(&token) else {
             return;
         };
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
@@ -67,7 +83,7 @@ impl Service {
             .flatten()
             .and_then(|s| s.parse().ok());
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten();
-        self.core.on_poll_answer(kind, status, body.as_deref().unwrap_or_default(), ProxyHost.now_ms());
+        self.core.on_poll_answer(kind, generation, status, body.as_deref().unwrap_or_default(), ProxyHost.now_ms());
     }
 
     /// Drains the prefix events the filters sent.

@@ -4,7 +4,11 @@
 //! filters' prefix events to the authoritative trees. The glue (`proxy/service`) only dispatches
 //! the polls it is given and hands the answers back.
 
+mod follow;
+
 use std::sync::Arc;
+
+pub use follow::FollowingService;
 
 use crate::config::RouterConfig;
 use crate::host::{CalloutRequest, Host};
@@ -32,6 +36,8 @@ pub enum PollKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PollRequest {
     pub kind: PollKind,
+    /// The worker list it was sent for: an answer to an older list is not recorded.
+    pub generation: u32,
     pub request: CalloutRequest,
 }
 
@@ -57,6 +63,8 @@ pub struct ServiceCore {
     last_affinity_sweep_ms: u64,
     prefixes: PrefixLog,
     affinity: AffinityStore,
+    /// Counts the worker lists followed; see [`PollRequest::generation`].
+    generation: u32,
 }
 
 impl ServiceCore {
@@ -80,7 +88,43 @@ impl ServiceCore {
             health_published_ms: None,
             last_sweep_ms: 0,
             last_affinity_sweep_ms: 0,
+            generation: 0,
         }
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Follows a new filter configuration (spec §8). What the workers configured before and after
+    /// have (health verdicts, load reports, prefix entries, affinity bindings, in-flight counts,
+    /// breakers) is kept; what removed workers have is dropped: their prefix entries at once, their
+    /// bindings now, their reports from the table.
+    pub fn reconfigure(&mut self, config: RouterConfig) {
+        let workers = factory::registry(&config).all().to_vec();
+        let removed: Vec<String> =
+            self.workers.iter().filter(|w| !workers.iter().any(|n| n.id == w.id)).map(|w| w.id.clone()).collect();
+        let added = workers.iter().filter(|w| !self.workers.iter().any(|o| o.id == w.id)).count();
+        let draining = workers.iter().filter(|w| w.draining).count();
+        self.health.follow(factory::health_thresholds(&config.health), &workers);
+        self.load.follow(factory::report_endpoint(config.load.source), config.load.interval_ms, &workers);
+        self.inflight = SharedInflight::new(Arc::clone(&self.host), 0, config.workers.iter().map(|w| w.id.as_str()));
+        self.prefixes.set_budgets(prefix_budgets(&config));
+        let cleared = removed.iter().map(|w| PrefixEvent::AllCleared { worker: w.clone() }).collect();
+        if let Err(e) = self.prefixes.append(self.host.as_ref(), cleared) {
+            log::warn!("prefix entries of removed workers not dropped: {e}");
+        }
+        self.workers = workers;
+        self.config = config;
+        self.generation = self.generation.wrapping_add(1);
+        self.sweep_affinity();
+        self.publish_health();
+        log::info!(
+            "following the filter configuration: {} workers ({added} added, {} removed{}, {draining} draining)",
+            self.workers.len(),
+            removed.len(),
+            if removed.is_empty() { String::new() } else { format!(": {}", removed.join(", ")) },
+        );
     }
 
     pub fn tick_period_ms(&self) -> u64 {
@@ -90,6 +134,7 @@ impl ServiceCore {
     fn poll(&self, kind: PollKind, worker: &Engine, path: &str, timeout_ms: u64) -> PollRequest {
         PollRequest {
             kind,
+            generation: self.generation,
             request: CalloutRequest {
                 cluster: worker.cluster.clone(),
                 method: "GET".to_string(),
@@ -151,7 +196,10 @@ impl ServiceCore {
     }
 
     /// A poll answered (`status: None` for a timeout or connection failure).
-    pub fn on_poll_answer(&mut self, kind: PollKind, status: Option<u16>, body: &[u8], now: u64) {
+    pub fn on_poll_answer(&mut self, kind: PollKind, generation: u32, status: Option<u16>, body: &[u8], now: u64) {
+        if generation != self.generation {
+            return;
+        }
         let ok = UpstreamAnswer::from_status(status).succeeded();
         match kind {
             PollKind::Health(index) => {
@@ -369,15 +417,89 @@ mod tests {
         .unwrap()]);
         let head = core.prefixes.head();
         core.tick(0);
-        core.on_poll_answer(PollKind::Health(0), Some(503), b"", 1);
+        core.on_poll_answer(PollKind::Health(0), 0, Some(503), b"", 1);
         assert!(health(&host).unhealthy.is_empty(), "one failure is below the threshold");
         core.tick(100);
-        core.on_poll_answer(PollKind::Health(0), None, b"", 101);
+        core.on_poll_answer(PollKind::Health(0), 0, None, b"", 101);
         assert_eq!(health(&host).unhealthy, ["A"]);
         assert_eq!(core.prefixes.head(), head + 1, "the unhealthy engine's prefixes are cleared");
         core.tick(200);
-        core.on_poll_answer(PollKind::Health(0), Some(200), b"", 201);
+        core.on_poll_answer(PollKind::Health(0), 0, Some(200), b"", 201);
         assert!(health(&host).unhealthy.is_empty(), "one success recovers it");
+    }
+
+    fn config_of(workers: &[&str]) -> RouterConfig {
+        let workers: Vec<String> = workers
+            .iter()
+            .enumerate()
+            .map(|(i, id)| format!(r#"{{"id": "{id}", "url": "http://127.0.0.1:{}", "model": "m"}}"#, i + 1))
+            .collect();
+        crate::config::parse_and_validate(&format!(
+            r#"{{"workers": [{}], "health": {{"interval_ms": 100, "failure_threshold": 1, "success_threshold": 1}},
+                "models": {{"m": {{"buckets": [{{"id": "b", "groups": {{"plain": {{"policy": {{"type": "cache_aware"}}}}}}}}]}}}}}}"#,
+            workers.join(",")
+        ))
+        .unwrap()
+    }
+
+    fn stored(worker: &str) -> Vec<u8> {
+        let text = "hello world".into();
+        wire::encode(&PrefixEvent::Stored {
+            model: "m".into(),
+            worker: worker.into(),
+            text,
+            tier: crate::state::prefix::Tier::Gpu,
+        })
+        .unwrap()
+    }
+
+    /// A live update (spec §8): B stays with its verdict and its prefixes, A's prefixes go, C
+    /// comes in monitored and healthy, and an answer to a poll of the old list is not recorded.
+    #[test]
+    fn a_new_worker_list_keeps_what_stayed_and_drops_what_left() {
+        let host = Arc::new(MemoryHost::default());
+        let mut core = ServiceCore::new(config_of(&["A", "B"]), host.clone());
+        core.tick(0);
+        core.on_poll_answer(PollKind::Health(1), 0, None, b"", 1);
+        assert_eq!(health(&host).unhealthy, ["B"]);
+        core.on_prefix_messages([stored("A"), stored("B")]);
+        core.tick(100);
+        core.reconfigure(config_of(&["C", "B"]));
+        let table = health(&host);
+        assert_eq!((table.monitored, table.unhealthy), (vec!["B".to_string(), "C".to_string()], vec!["B".to_string()]));
+        let holders: Vec<String> =
+            core.prefixes.trees()["m"].match_prefix(b"hello world").into_iter().map(|m| m.worker).collect();
+        assert_eq!(holders, ["B"]);
+        core.on_poll_answer(PollKind::Health(1), 0, Some(200), b"", 101);
+        assert_eq!(health(&host).unhealthy, ["B"], "an answer to the old list's poll is not B's");
+        let plan = core.tick(200);
+        let polled: Vec<&str> = plan.polls.iter().map(|p| p.request.cluster.as_str()).collect();
+        assert!(polled.contains(&"sgl_C") && polled.contains(&"sgl_B") && !polled.contains(&"sgl_A"), "{polled:?}");
+        let b =
+            plan.polls.iter().find(|p| p.request.cluster == "sgl_B" && matches!(p.kind, PollKind::Health(_))).unwrap();
+        core.on_poll_answer(b.kind, b.generation, Some(200), b"", 201);
+        assert!(health(&host).unhealthy.is_empty(), "B recovers on a check of the new list");
+    }
+
+    /// Without a configuration of its own the service waits for a filter's, then follows each new
+    /// one announced.
+    #[test]
+    fn the_service_follows_the_announced_filter_configuration() {
+        let host = Arc::new(MemoryHost::default());
+        let mut service = FollowingService::new(None, host.clone());
+        assert!(service.tick(0).polls.is_empty(), "nothing to monitor yet");
+        let text = |workers: &[&str]| serde_json::to_string(&config_of(workers)).unwrap();
+        crate::state::filter_config::announce(host.as_ref(), &text(&["A"])).unwrap();
+        let clusters = |plan: TickPlan| {
+            let mut c: Vec<String> = plan.polls.into_iter().map(|p| p.request.cluster).collect();
+            c.sort();
+            c.dedup();
+            c
+        };
+        assert_eq!(clusters(service.tick(0)), ["sgl_A"]);
+        crate::state::filter_config::announce(host.as_ref(), &text(&["A", "B"])).unwrap();
+        assert_eq!(clusters(service.tick(1)), ["sgl_A", "sgl_B"]);
+        assert_eq!(health(&host).monitored, ["A", "B"]);
     }
 
     #[test]
@@ -397,8 +519,8 @@ mod tests {
         let report = br#"{"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1,
             "num_used_tokens": 10, "max_total_num_tokens": 100, "max_running_requests": 8}]}"#;
         host.set_now_ms(5);
-        core.on_poll_answer(PollKind::Load(0), Some(200), report, 5);
-        core.on_poll_answer(PollKind::Load(1), Some(500), report, 5);
+        core.on_poll_answer(PollKind::Load(0), 0, Some(200), report, 5);
+        core.on_poll_answer(PollKind::Load(1), 0, Some(500), report, 5);
         let view = SharedLoadView::new(host.clone(), 1000, 0);
         let snapshot = view.snapshot();
         assert_eq!(snapshot.get("A").and_then(|l| l.running), Some(3));

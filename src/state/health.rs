@@ -62,6 +62,22 @@ impl HealthMonitor {
         }
     }
 
+    /// Follows a new worker list: a worker configured before and after keeps its verdict and its
+    /// runs of checks; a new one starts healthy, as every worker does at startup. Every worker is
+    /// due at once, since answers to checks sent before are not recorded.
+    pub fn follow(&mut self, config: HealthThresholds, workers: &[std::sync::Arc<Engine>]) {
+        let mut old = std::mem::take(&mut self.workers);
+        self.workers = workers
+            .iter()
+            .map(|w| match old.iter().position(|h| h.id == w.id) {
+                Some(i) => old.swap_remove(i),
+                None => EngineHealth { id: w.id.clone(), healthy: true, consecutive_ok: 0, consecutive_fail: 0 },
+            })
+            .collect();
+        self.schedule = PollSchedule::new(config.interval_ms, workers.len());
+        self.config = config;
+    }
+
     /// Workers whose check is due now; each is outstanding until [`Self::record`].
     pub fn due(&mut self, now_ms: u64) -> Vec<usize> {
         self.schedule.due(now_ms)

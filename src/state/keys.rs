@@ -54,3 +54,6 @@ pub const PREFIX_SNAPSHOT: &str = "sgl.prefix.snapshot";
 pub fn prefix_log_slot(slot: u64) -> String {
     format!("sgl.prefix.log.{slot}")
 }
+
+/// The filter configuration announced last, which the service follows.
+pub const FILTER_CONFIG: &str = "sgl.filter_config";

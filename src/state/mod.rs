@@ -3,6 +3,7 @@
 pub mod affinity_store;
 pub mod availability;
 pub mod breaker;
+pub mod filter_config;
 pub mod health;
 pub mod keys;
 pub mod load_monitor;

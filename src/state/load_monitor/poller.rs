@@ -59,6 +59,16 @@ impl LoadPoller {
         }
     }
 
+    /// Follows a new worker list: the reports of workers configured before and after are kept,
+    /// the others' dropped. Every worker is due at once.
+    pub fn follow(&mut self, endpoint: Option<ReportEndpoint>, interval_ms: u64, workers: &[Arc<Engine>]) {
+        self.table.retain(|id| workers.iter().any(|w| w.id == id));
+        self.endpoint = endpoint;
+        self.schedule = PollSchedule::new(interval_ms, workers.len());
+        self.workers = workers.to_vec();
+        self.dirty = true;
+    }
+
     /// The endpoint polled; `None` when load is not polled at all.
     pub fn path(&self) -> Option<&'static str> {
         self.endpoint.map(ReportEndpoint::path)

@@ -108,6 +108,11 @@ impl LoadTable {
         }
     }
 
+    /// Keeps the reports of the workers `keep` says yes to.
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.workers.retain(|id, _| keep(id));
+    }
+
     /// Fresh, complete reports as of `now_ms`.
     pub fn snapshot(&self, now_ms: u64, stale_after_ms: u64) -> LoadSnapshot {
         self.snapshot_until(now_ms, stale_after_ms).0

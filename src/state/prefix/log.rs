@@ -73,6 +73,11 @@ impl PrefixLog {
         self.next_batch
     }
 
+    /// The budgets later events are applied under (a new configuration's).
+    pub fn set_budgets(&mut self, budgets: Budgets) {
+        self.budgets = budgets;
+    }
+
     /// Starts a fresh log (the service restarted, or this is the first start).
     pub fn publish_start(&self, host: &dyn Host) -> Result<(), HostError> {
         self.write_snapshot(host)?;
