@@ -1,4 +1,5 @@
 //! The CLI's pieces as a library, so tests and scripts share them.
 
+pub mod dynamic;
 pub mod render;
 pub mod translate;

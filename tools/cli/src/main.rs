@@ -3,8 +3,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use sgl_envoy_router::config;
+use sgl_envoy_router_cli::dynamic;
 use sgl_envoy_router_cli::render::{render, render_snippet, RenderOptions, DEFAULT_WASM};
 use sgl_envoy_router_cli::translate::translate;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(name = "sgl-envoy-router", version, about = "SGLang engine selection inside Envoy: configuration tools")]
@@ -31,8 +33,23 @@ enum Command {
         admin: u16,
         /// Only what an existing Envoy needs (filter entry, routes, clusters, bootstrap service,
         /// stats labels), each with a comment naming where it goes.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "dynamic")]
         snippet: bool,
+        /// Write DIR/envoy.yaml and the files it watches (listener, filter configuration,
+        /// clusters), so `update --dynamic DIR` changes the engines without a restart.
+        #[arg(long, value_name = "DIR")]
+        dynamic: Option<PathBuf>,
+    },
+    /// Validate a router configuration and put it live in an Envoy started from
+    /// `render --dynamic DIR`, without a restart: nothing changes when it is invalid.
+    Update {
+        config: PathBuf,
+        /// The directory `render --dynamic` wrote.
+        #[arg(long, value_name = "DIR")]
+        dynamic: PathBuf,
+        /// How long removed workers' clusters stay, for requests routed just before the update.
+        #[arg(long, default_value_t = 2000)]
+        settle_ms: u64,
     },
     /// Turn an sglang-router 0.3.2 command line into a router configuration (YAML on stdout).
     Translate {
@@ -59,7 +76,31 @@ fn main() -> ExitCode {
             Err(errors) => report(&config, &errors),
         },
         Command::Translate { model, skip_refused, args } => run_translate(&model, &args, skip_refused),
-        Command::Render { config, wasm, listen, admin, snippet } => {
+        Command::Update { config, dynamic, settle_ms } => {
+            let loaded = match config::load_file(&config) {
+                Ok(c) => c,
+                Err(errors) => return report(&config, &errors),
+            };
+            match dynamic::update(&loaded, &dynamic, Duration::from_millis(settle_ms)) {
+                Ok(done) => {
+                    println!(
+                        "updated {}: {} workers; clusters added [{}], removed [{}]; filter configuration {}; listener {}",
+                        dynamic.display(),
+                        loaded.workers.len(),
+                        done.clusters_added.join(", "),
+                        done.clusters_removed.join(", "),
+                        if done.filter { "replaced" } else { "unchanged" },
+                        if done.listener { "replaced" } else { "unchanged" },
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Render { config, wasm, listen, admin, snippet, dynamic } => {
             let Some((address, port)) = listen.rsplit_once(':').and_then(|(a, p)| Some((a, p.parse().ok()?))) else {
                 eprintln!("error: --listen must be ADDR:PORT, got `{listen}`");
                 return ExitCode::FAILURE;
@@ -74,6 +115,18 @@ fn main() -> ExitCode {
                 listen_port: port,
                 admin_port: admin,
             };
+            if let Some(dir) = dynamic {
+                return match dynamic::render_dynamic(&loaded, &options, &dir) {
+                    Ok(bootstrap) => {
+                        println!("{}", bootstrap.display());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        ExitCode::FAILURE
+                    }
+                };
+            }
             let rendered = if snippet { render_snippet(&loaded, &options) } else { render(&loaded, &options) };
             match rendered {
                 Ok(yaml) => {

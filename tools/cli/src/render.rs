@@ -62,7 +62,7 @@ pub fn render_snippet(config: &RouterConfig, options: &RenderOptions) -> Result<
     Ok(out)
 }
 
-fn bootstrap_extension(router_json: &str, options: &RenderOptions) -> Value {
+pub(crate) fn bootstrap_extension(router_json: &str, options: &RenderOptions) -> Value {
     json!({
         "name": "envoy.bootstrap.wasm",
         "typed_config": {
@@ -73,7 +73,7 @@ fn bootstrap_extension(router_json: &str, options: &RenderOptions) -> Value {
     })
 }
 
-fn http_filter(router_json: &str, options: &RenderOptions) -> Value {
+pub(crate) fn http_filter(router_json: &str, options: &RenderOptions) -> Value {
     json!({
         "name": "envoy.filters.http.wasm",
         "typed_config": {
@@ -96,7 +96,7 @@ fn generation_routes(config: &RouterConfig) -> Vec<Value> {
 
 /// Prometheus labels from the filter's metric names (wasmcustom.<metric>[.stage.<s>][.worker.<w>]
 /// and friends).
-fn stats_tags() -> Value {
+pub(crate) fn stats_tags() -> Value {
     json!([
                 {"tag_name": "stage", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.stage\\.([^.]+))"},
                 {"tag_name": "worker", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(\\.worker\\.([^.]+))$"},
@@ -120,13 +120,13 @@ fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
         "bootstrap_extensions": [bootstrap_extension(&router_json, options)],
         "stats_config": {"stats_tags": stats_tags()},
         "static_resources": {
-            "listeners": [listener(config, options, &router_json)],
+            "listeners": [listener(config, options, http_filter(&router_json, options))],
             "clusters": clusters(config),
         }
     })
 }
 
-fn socket(address: &str, port: u16) -> Value {
+pub(crate) fn socket(address: &str, port: u16) -> Value {
     json!({"socket_address": {"address": address, "port_value": port}})
 }
 
@@ -161,7 +161,9 @@ fn not_found_body() -> String {
     String::from_utf8_lossy(&error.body()).into_owned()
 }
 
-fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -> Value {
+/// The listener, its routes and HTTP filters; `router_filter` is the filter's entry (inline, or
+/// discovered from a file).
+pub(crate) fn listener(config: &RouterConfig, options: &RenderOptions, router_filter: Value) -> Value {
     let generation_routes = generation_routes(config);
     let json_content_type = json!([{
         "header": {"key": "content-type", "value": "application/json"},
@@ -194,7 +196,7 @@ fn listener(config: &RouterConfig, options: &RenderOptions, router_json: &str) -
                         }],
                     },
                     "http_filters": [
-                        http_filter(router_json, options),
+                        router_filter,
                         {
                             "name": "envoy.filters.http.router",
                             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
@@ -264,7 +266,7 @@ fn static_cluster(name: &str, address: &EngineAddress) -> Value {
     })
 }
 
-fn clusters(config: &RouterConfig) -> Vec<Value> {
+pub(crate) fn clusters(config: &RouterConfig) -> Vec<Value> {
     let registry = factory::registry(config);
     let mut clusters: Vec<Value> = registry.all().iter().map(|w| static_cluster(&w.cluster, &w.address)).collect();
     // The indexers the filter asks once per request (spec §7): a cluster each, so the filter

@@ -1,0 +1,294 @@
+//! Live operations against real Envoy (spec §8): an Envoy started from `render --dynamic`, its
+//! engines added, removed and drained by `update` under steady load, without a restart and
+//! without a failed request.
+
+#![cfg(not(target_arch = "wasm32"))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, sleep, JoinHandle};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// Engines, and an Envoy on the files of `render --dynamic`.
+struct Live {
+    sims: Vec<Sim>,
+    envoy: Envoy,
+    dir: PathBuf,
+    files: PathBuf,
+}
+
+impl Live {
+    fn start(name: &str, specs: Vec<SimSpec>, router: impl FnOnce(&[Sim]) -> Value) -> Self {
+        let dir = scratch_dir(name);
+        let sims: Vec<Sim> = specs.into_iter().map(|s| Sim::start(s, &dir)).collect();
+        let files = dir.join("live");
+        let (port, admin) = (free_port(), free_port());
+        let config = router(&sims);
+        let router_path = write_router(&dir, &config);
+        let out = Command::new(cli_bin())
+            .arg("render")
+            .arg(&router_path)
+            .args(["--wasm", &wasm_module().to_string_lossy()])
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &admin.to_string()])
+            .arg("--dynamic")
+            .arg(&files)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run the CLI: {e}"));
+        assert!(out.status.success(), "render --dynamic failed: {}", String::from_utf8_lossy(&out.stderr));
+        let envoy = Envoy::start(&files.join("envoy.yaml"), port, admin, &dir);
+        let live = Self { sims, envoy, dir, files };
+        live.wait_for_monitoring(&config["workers"]);
+        live
+    }
+
+    /// Waits until the service monitors `workers` (a router configuration's list) and has a
+    /// fresh load report of each.
+    fn wait_for_monitoring(&self, workers: &Value) {
+        let n = workers.as_array().map_or(0, Vec::len) as f64;
+        wait_for("the service to monitor every worker", Duration::from_secs(20), || {
+            let healthy = self.envoy.metric("sgl_router_healthy_workers{}")?;
+            let fresh = self.envoy.metric("sgl_router_fresh_load_reports{}")?;
+            (healthy == n && fresh == n).then_some(())
+        });
+    }
+
+    fn sim(&self, id: &str) -> &Sim {
+        self.sims.iter().find(|s| s.spec.id == id).unwrap_or_else(|| panic!("no sim {id}"))
+    }
+
+    /// `update ROUTER --dynamic DIR`; returns the CLI's output.
+    fn update(&self, router: &Value) -> String {
+        let path = write_router(&self.dir, router);
+        let out = Command::new(cli_bin())
+            .arg("update")
+            .arg(&path)
+            .arg("--dynamic")
+            .arg(&self.files)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run the CLI: {e}"));
+        assert!(out.status.success(), "update failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Requests each engine received at or after `since_ms` (Unix ms), as its own log says.
+    fn received_since(&self, id: &str, since_ms: u64) -> usize {
+        let state = self.sim(id).state();
+        let recent = state["recent"].as_array().cloned().unwrap_or_default();
+        recent.iter().filter(|r| r["received_ms"].as_u64().is_some_and(|t| t >= since_ms)).count()
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            eprintln!("----- Envoy log ({}) -----\n{}", self.dir.display(), self.envoy.log_text());
+        }
+    }
+}
+
+fn write_router(dir: &std::path::Path, router: &Value) -> PathBuf {
+    let path = dir.join("router.json");
+    fs::write(&path, serde_json::to_vec_pretty(router).unwrap_or_default()).unwrap_or_else(|e| panic!("{e}"));
+    path
+}
+
+fn router(sims: &[&Sim]) -> Value {
+    json!({
+        "workers": sims.iter().map(|s| s.worker_json()).collect::<Vec<_>>(),
+        "load": {"interval_ms": 100, "stale_after_ms": 1000},
+        "health": {"interval_ms": 200, "timeout_ms": 150},
+        "models": {"demo-model": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "session_aware"}}}}]}},
+    })
+}
+
+/// One finished request of the steady load.
+#[derive(Debug, Clone)]
+struct Done {
+    status: u16,
+    engine: String,
+    started_ms: u64,
+    /// The start of the body, for the failure message.
+    #[allow(dead_code)]
+    body: String,
+}
+
+/// Clients, each on its own kept-alive connection, sending streamed requests back to back.
+struct SteadyLoad {
+    stop: Arc<AtomicBool>,
+    done: Arc<Mutex<Vec<Done>>>,
+    clients: Vec<JoinHandle<()>>,
+}
+
+impl SteadyLoad {
+    fn start(envoy: &Envoy, clients: usize, max_tokens: u64) -> Self {
+        let (stop, done) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+        let url = envoy.url("/v1/chat/completions");
+        let clients = (0..clients)
+            .map(|c| {
+                let (stop, done, url) = (Arc::clone(&stop), Arc::clone(&done), url.clone());
+                thread::spawn(move || {
+                    let client = agent();
+                    let mut n = 0;
+                    while !stop.load(Ordering::SeqCst) {
+                        let started_ms = now_unix_ms();
+                        let body = chat_body(&format!("client {c} request {n}"), max_tokens, true);
+                        let r = send_with(&client, &url, "POST", Some(&body), &[]);
+                        let complete = sse_events(&r.body).last().map(String::as_str) == Some("[DONE]");
+                        let status = if r.status == 200 && !complete { 0 } else { r.status };
+                        let engine = r.engine();
+                        if let Ok(mut d) = done.lock() {
+                            d.push(Done { status, engine, started_ms, body: r.body.chars().take(300).collect() });
+                        }
+                        n += 1;
+                    }
+                })
+            })
+            .collect();
+        Self { stop, done, clients }
+    }
+
+    fn so_far(&self) -> Vec<Done> {
+        self.done.lock().map(|d| d.clone()).unwrap_or_default()
+    }
+
+    fn finish(mut self) -> Vec<Done> {
+        self.stop.store(true, Ordering::SeqCst);
+        for c in std::mem::take(&mut self.clients) {
+            let _ = c.join();
+        }
+        self.so_far()
+    }
+}
+
+fn per_engine(done: &[Done]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for d in done {
+        *counts.entry(d.engine.clone()).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn assert_none_failed(done: &[Done]) {
+    let failed: Vec<&Done> = done.iter().filter(|d| d.status != 200).collect();
+    assert!(failed.is_empty(), "{} of {} requests failed, first: {:?}", failed.len(), done.len(), failed.first());
+}
+
+fn session_engine(live: &Live, session: &str) -> String {
+    let r = send(
+        &live.envoy.url("/v1/chat/completions"),
+        "POST",
+        Some(&chat_body("bound", 2, false)),
+        &[("x-session-id", session)],
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.engine()
+}
+
+/// An engine added by `update` under load takes traffic within 5 s, no request fails, and a
+/// session bound before the update stays on its engine.
+#[test]
+fn an_engine_added_by_update_takes_traffic_and_nothing_fails() {
+    let specs = ["A", "B", "C"].map(SimSpec::plain).to_vec();
+    let live = Live::start("live_add", specs, |sims| router(&[&sims[0], &sims[1]]));
+    let bound = session_engine(&live, "s-1");
+    let load = SteadyLoad::start(&live.envoy, 4, 20);
+    sleep(Duration::from_secs(1));
+    let updated_ms = now_unix_ms();
+    let report = live.update(&router(&[live.sim("A"), live.sim("B"), live.sim("C")]));
+    assert!(report.contains("added [sgl_C]"), "{report}");
+    let first_on_c = wait_for("C to take traffic", Duration::from_secs(5), || {
+        load.so_far().iter().filter(|d| d.engine == "C").map(|d| d.started_ms).min()
+    });
+    sleep(Duration::from_secs(1));
+    let done = load.finish();
+    assert_none_failed(&done);
+    let counts = per_engine(&done);
+    assert!(first_on_c.saturating_sub(updated_ms) < 5_000, "C's first request {first_on_c} vs update {updated_ms}");
+    assert!(counts.get("C").copied().unwrap_or(0) > 0, "{counts:?}");
+    assert_eq!(session_engine(&live, "s-1"), bound, "the session keeps its engine across the update");
+    assert!(live.envoy.log_text().contains("following the filter configuration: 3 workers (1 added"));
+}
+
+/// Removing (or draining) an engine under load: no request reaches it once the update is done,
+/// its streams in flight at the update complete, and no request fails.
+fn leaves_under_load(name: &str, drain: bool) {
+    let specs = ["A", "B", "C"].map(|id| SimSpec { token_delay_ms: 10, ..SimSpec::plain(id) }).to_vec();
+    let live = Live::start(name, specs, |sims| router(&[&sims[0], &sims[1], &sims[2]]));
+    let load = SteadyLoad::start(&live.envoy, 6, 60);
+    wait_for("C to be busy", Duration::from_secs(10), || {
+        (live.sim("C").state()["running"].as_u64().unwrap_or(0) > 0).then_some(())
+    });
+    let mut next = router(&[live.sim("A"), live.sim("B"), live.sim("C")]);
+    let workers = next["workers"].as_array_mut().unwrap();
+    if drain {
+        workers[2]["drain"] = json!(true);
+    } else {
+        workers.remove(2);
+    }
+    let in_flight_on_c = live.sim("C").state()["running"].as_u64().unwrap_or(0);
+    live.update(&next);
+    let updated_ms = now_unix_ms();
+    sleep(Duration::from_secs(2));
+    let done = load.finish();
+    assert_none_failed(&done);
+    assert!(in_flight_on_c > 0);
+    assert_eq!(live.received_since("C", updated_ms), 0, "C got a request after the update");
+    let after: Vec<&Done> = done.iter().filter(|d| d.started_ms >= updated_ms).collect();
+    assert!(after.len() >= 6, "the load went on: {}", after.len());
+    assert!(after.iter().all(|d| d.engine != "C"), "{:?}", per_engine(&done));
+    let c = live.sim("C").state();
+    assert_eq!(c["running"], 0, "C finished what it had: {c}");
+    if drain {
+        wait_for("the draining gauge", Duration::from_secs(10), || {
+            (live.envoy.metric("sgl_router_draining_workers{}")? == 1.0).then_some(())
+        });
+        assert!(live.envoy.log_text().contains("1 draining"));
+    } else {
+        assert!(live.envoy.log_text().contains("1 removed: C"));
+    }
+}
+
+#[test]
+fn an_engine_removed_by_update_finishes_its_streams_and_gets_nothing_new() {
+    leaves_under_load("live_remove", false);
+}
+
+#[test]
+fn a_drained_engine_finishes_its_streams_and_gets_nothing_new() {
+    leaves_under_load("live_drain", true);
+}
+
+/// An invalid configuration changes nothing: exit 1 with every error, the files as they were.
+#[test]
+fn an_invalid_update_changes_nothing() {
+    let live = Live::start("live_invalid", vec![SimSpec::plain("A")], |sims| router(&[&sims[0]]));
+    let before: Vec<String> = ["filter.yaml", "clusters.yaml", "listeners.yaml"]
+        .iter()
+        .map(|f| fs::read_to_string(live.files.join(f)).unwrap_or_default())
+        .collect();
+    let mut bad = router(&[live.sim("A")]);
+    bad["workers"][0]["url"] = json!("not a url");
+    bad["models"]["demo-model"]["buckets"][0]["groups"]["plain"]["worker_ids"] = json!(["Z"]);
+    let path = write_router(&live.dir, &bad);
+    let out = Command::new(cli_bin()).arg("update").arg(&path).arg("--dynamic").arg(&live.files).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("workers[0].url") && stderr.contains("worker_ids"), "every error: {stderr}");
+    let after: Vec<String> = ["filter.yaml", "clusters.yaml", "listeners.yaml"]
+        .iter()
+        .map(|f| fs::read_to_string(live.files.join(f)).unwrap_or_default())
+        .collect();
+    assert_eq!(before, after);
+    let r = send(&live.envoy.url("/v1/chat/completions"), "POST", Some(&chat_body("still", 2, false)), &[]);
+    assert_eq!((r.status, r.engine()), (200, "A".to_string()));
+}

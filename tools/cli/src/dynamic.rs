@@ -1,0 +1,319 @@
+//! `render --dynamic DIR` and `update --dynamic DIR` (spec §8): an Envoy whose listener, filter
+//! configuration and clusters come from files it watches, so the engine set changes without a
+//! restart. The filter configuration is discovered on its own (ECDS): replacing it reaches the
+//! connections already open at their next request, where a listener update would leave them on
+//! the old configuration until they drain. The service's bootstrap configuration is empty: it
+//! follows the filter's.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sgl_envoy_router::config::RouterConfig;
+
+use crate::render::{bootstrap_extension, clusters, http_filter, listener, socket, stats_tags, RenderOptions};
+
+pub const BOOTSTRAP: &str = "envoy.yaml";
+pub const LISTENERS: &str = "listeners.yaml";
+pub const CLUSTERS: &str = "clusters.yaml";
+pub const FILTER: &str = "filter.yaml";
+/// What `render` was given, so `update` renders the same way.
+pub const OPTIONS: &str = "render-options.json";
+/// The ECDS resource name of the filter configuration.
+const FILTER_NAME: &str = "sgl_router";
+const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+const EXTENSION_TYPE: &str = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig";
+/// How long `update` waits for Envoy to take up new clusters before it routes to them.
+const CLUSTER_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DynamicError {
+    #[error("{0}: {1}")]
+    Io(PathBuf, std::io::Error),
+    #[error("cannot write YAML: {0}")]
+    Yaml(#[from] serde_yaml_ng::Error),
+    #[error("{0} is not from `render --dynamic`: {1}")]
+    NotRendered(PathBuf, String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SavedOptions {
+    wasm: String,
+    listen_address: String,
+    listen_port: u16,
+    admin_port: u16,
+}
+
+impl From<&RenderOptions> for SavedOptions {
+    fn from(o: &RenderOptions) -> Self {
+        Self {
+            wasm: o.wasm_path.clone(),
+            listen_address: o.listen_address.clone(),
+            listen_port: o.listen_port,
+            admin_port: o.admin_port,
+        }
+    }
+}
+
+impl From<SavedOptions> for RenderOptions {
+    fn from(o: SavedOptions) -> Self {
+        Self {
+            wasm_path: o.wasm,
+            listen_address: o.listen_address,
+            listen_port: o.listen_port,
+            admin_port: o.admin_port,
+        }
+    }
+}
+
+/// The watched files' contents for one configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Watched {
+    pub listeners: Value,
+    pub clusters: Vec<Value>,
+    pub filter: Value,
+}
+
+/// Absolute: Envoy resolves the paths in its files against its own working directory.
+fn absolute(dir: &Path) -> Result<PathBuf, DynamicError> {
+    fs::create_dir_all(dir).map_err(|e| DynamicError::Io(dir.to_path_buf(), e))?;
+    dir.canonicalize().map_err(|e| DynamicError::Io(dir.to_path_buf(), e))
+}
+
+/// A file Envoy watches, by a rename into the directory it watches.
+fn watched_source(dir: &Path, file: &str) -> Value {
+    json!({
+        "path_config_source": {
+            "path": dir.join(file).to_string_lossy(),
+            "watched_directory": {"path": dir.to_string_lossy()},
+        },
+        "resource_api_version": "V3",
+    })
+}
+
+fn discovery_response(type_url: &str, resources: &[Value]) -> Value {
+    let resources: Vec<Value> = resources
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            if let Some(map) = r.as_object_mut() {
+                map.insert("@type".to_string(), json!(type_url));
+            }
+            r
+        })
+        .collect();
+    json!({"resources": resources})
+}
+
+pub fn watched(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Watched {
+    let router_json = serde_json::to_string(config).unwrap_or_default();
+    let discovered = json!({
+        "name": FILTER_NAME,
+        "config_discovery": {"config_source": watched_source(dir, FILTER), "type_urls": [WASM_TYPE]},
+    });
+    let filter = http_filter(&router_json, options)["typed_config"].clone();
+    Watched {
+        listeners: discovery_response(LISTENER_TYPE, &[listener(config, options, discovered)]),
+        clusters: clusters(config),
+        filter: json!({"resources": [{"@type": EXTENSION_TYPE, "name": FILTER_NAME, "typed_config": filter}]}),
+    }
+}
+
+fn bootstrap(options: &RenderOptions, dir: &Path) -> Value {
+    json!({
+        "node": {"id": "sgl-envoy-router", "cluster": "sgl-envoy-router"},
+        "admin": {"address": socket("127.0.0.1", options.admin_port)},
+        // Empty: the service follows the filter's configuration.
+        "bootstrap_extensions": [bootstrap_extension("", options)],
+        "stats_config": {"stats_tags": stats_tags()},
+        "dynamic_resources": {
+            "lds_config": watched_source(dir, LISTENERS),
+            "cds_config": watched_source(dir, CLUSTERS),
+        },
+    })
+}
+
+fn yaml(value: &Value, what: &str) -> Result<String, DynamicError> {
+    Ok(format!(
+        "# {what}; written by `sgl-envoy-router render --dynamic` or `update --dynamic`, edit the router configuration instead.\n{}",
+        serde_yaml_ng::to_string(value)?
+    ))
+}
+
+/// Writes `text` to `dir/file` by a rename, so Envoy never reads half a file. Returns whether the
+/// file changed.
+fn replace(dir: &Path, file: &str, text: &str) -> Result<bool, DynamicError> {
+    let path = dir.join(file);
+    if fs::read_to_string(&path).is_ok_and(|old| old == text) {
+        return Ok(false);
+    }
+    let temporary = dir.join(format!(".{file}.new"));
+    fs::write(&temporary, text).map_err(|e| DynamicError::Io(temporary.clone(), e))?;
+    fs::rename(&temporary, &path).map_err(|e| DynamicError::Io(path, e))?;
+    Ok(true)
+}
+
+fn write_clusters(dir: &Path, clusters: &[Value]) -> Result<bool, DynamicError> {
+    replace(dir, CLUSTERS, &yaml(&discovery_response(CLUSTER_TYPE, clusters), "The engines' and indexers' clusters")?)
+}
+
+/// `render --dynamic DIR`: every file, from scratch. Returns the bootstrap's path.
+pub fn render_dynamic(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Result<PathBuf, DynamicError> {
+    let dir = absolute(dir)?;
+    let files = watched(config, options, &dir);
+    let saved = serde_json::to_string_pretty(&SavedOptions::from(options)).unwrap_or_default();
+    replace(&dir, OPTIONS, &saved)?;
+    write_clusters(&dir, &files.clusters)?;
+    replace(&dir, FILTER, &yaml(&files.filter, "The router filter's configuration (ECDS)")?)?;
+    replace(&dir, LISTENERS, &yaml(&files.listeners, "The listener")?)?;
+    replace(&dir, BOOTSTRAP, &yaml(&bootstrap(options, &dir), "Envoy's bootstrap")?)?;
+    Ok(dir.join(BOOTSTRAP))
+}
+
+/// What `update` did, for its report.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Updated {
+    pub clusters_added: Vec<String>,
+    pub clusters_removed: Vec<String>,
+    pub filter: bool,
+    pub listener: bool,
+}
+
+fn cluster_names(clusters: &[Value]) -> Vec<String> {
+    clusters.iter().filter_map(|c| c["name"].as_str().map(str::to_string)).collect()
+}
+
+/// The clusters `dir` has now, as `render` or the last `update` wrote them.
+fn current_clusters(dir: &Path) -> Result<Vec<Value>, DynamicError> {
+    let path = dir.join(CLUSTERS);
+    let text = fs::read_to_string(&path).map_err(|e| DynamicError::Io(path.clone(), e))?;
+    let doc: Value =
+        serde_yaml_ng::from_str(&text).map_err(|e| DynamicError::NotRendered(path.clone(), e.to_string()))?;
+    let mut clusters = doc["resources"]
+        .as_array()
+        .cloned()
+        .ok_or_else(|| DynamicError::NotRendered(path, "no `resources`".to_string()))?;
+    for c in &mut clusters {
+        if let Some(map) = c.as_object_mut() {
+            map.remove("@type");
+        }
+    }
+    Ok(clusters)
+}
+
+/// `update ROUTER.yaml --dynamic DIR` on a valid configuration. Order keeps every request
+/// routable: new clusters first (and, when Envoy's admin answers, until Envoy has them), then the
+/// filter configuration, then the listener if its routes changed, and only after `settle` the
+/// clusters of removed workers, whose streams still run (Envoy lets them finish either way; a
+/// request routed just before the filter update must still find its cluster).
+pub fn update(config: &RouterConfig, dir: &Path, settle: Duration) -> Result<Updated, DynamicError> {
+    let dir = absolute(dir)?;
+    let options_path = dir.join(OPTIONS);
+    let saved = fs::read_to_string(&options_path).map_err(|e| DynamicError::Io(options_path.clone(), e))?;
+    let options: RenderOptions = serde_json::from_str::<SavedOptions>(&saved)
+        .map_err(|e| DynamicError::NotRendered(options_path, e.to_string()))?
+        .into();
+    let files = watched(config, &options, &dir);
+    let old = current_clusters(&dir)?;
+    let (old_names, new_names) = (cluster_names(&old), cluster_names(&files.clusters));
+    let mut report = Updated {
+        clusters_added: new_names.iter().filter(|n| !old_names.contains(n)).cloned().collect(),
+        clusters_removed: old_names.iter().filter(|n| !new_names.contains(n)).cloned().collect(),
+        ..Updated::default()
+    };
+    let kept_old =
+        old.iter().filter(|c| c["name"].as_str().is_some_and(|n| report.clusters_removed.iter().any(|r| r == n)));
+    let union: Vec<Value> = files.clusters.iter().cloned().chain(kept_old.cloned()).collect();
+    if write_clusters(&dir, &union)? && !report.clusters_added.is_empty() {
+        wait_for_clusters(options.admin_port, &report.clusters_added);
+    }
+    report.filter = replace(&dir, FILTER, &yaml(&files.filter, "The router filter's configuration (ECDS)")?)?;
+    report.listener = replace(&dir, LISTENERS, &yaml(&files.listeners, "The listener")?)?;
+    if !report.clusters_removed.is_empty() {
+        std::thread::sleep(settle);
+        write_clusters(&dir, &files.clusters)?;
+    }
+    Ok(report)
+}
+
+/// Waits until Envoy's admin lists every cluster of `names` as active, or [`CLUSTER_WAIT`]
+/// passed, or no Envoy answers there (then there is nothing to wait for).
+fn wait_for_clusters(admin_port: u16, names: &[String]) {
+    let deadline = Instant::now() + CLUSTER_WAIT;
+    while Instant::now() < deadline {
+        let Some(listing) = admin_get(admin_port, "/clusters") else { return };
+        if names.iter().all(|n| listing.lines().any(|l| l.starts_with(&format!("{n}::")))) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("warning: Envoy did not list {} within {CLUSTER_WAIT:?}; updating the filter anyway", names.join(", "));
+}
+
+fn admin_get(port: u16, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(workers: &[&str]) -> RouterConfig {
+        let workers: Vec<String> = workers
+            .iter()
+            .enumerate()
+            .map(|(i, id)| format!(r#"{{"id": "{id}", "url": "http://127.0.0.1:{}", "model": "m"}}"#, 30001 + i))
+            .collect();
+        sgl_envoy_router::config::parse_and_validate(&format!(
+            r#"{{"workers": [{}], "models": {{"m": {{"buckets": [{{"id": "b", "groups": {{"plain": {{"policy": {{"type": "round_robin"}}}}}}}}]}}}}}}"#,
+            workers.join(",")
+        ))
+        .unwrap()
+    }
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        cluster_names(&current_clusters(dir).unwrap())
+    }
+
+    #[test]
+    fn an_update_adds_clusters_first_and_removes_them_last() {
+        let dir = std::env::temp_dir().join(format!("sgl-dynamic-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let options = RenderOptions { admin_port: 1, ..RenderOptions::default() };
+        let bootstrap = render_dynamic(&config(&["A", "B"]), &options, &dir).unwrap();
+        let text = fs::read_to_string(bootstrap).unwrap();
+        assert!(text.contains("lds_config") && text.contains("cds_config") && text.contains("watched_directory"));
+        let filter = fs::read_to_string(dir.join(FILTER)).unwrap();
+        assert!(filter.contains("\\\"id\\\":\\\"B\\\"") || filter.contains(r#""id":"B""#), "{filter}");
+        let listeners = fs::read_to_string(dir.join(LISTENERS)).unwrap();
+        assert!(listeners.contains("config_discovery") && !listeners.contains("\"workers\""));
+        assert_eq!(names_in(&dir), ["sgl_A", "sgl_B"]);
+
+        let report = update(&config(&["A", "C"]), &dir, Duration::ZERO).unwrap();
+        assert_eq!(
+            report,
+            Updated {
+                clusters_added: vec!["sgl_C".into()],
+                clusters_removed: vec!["sgl_B".into()],
+                filter: true,
+                listener: false
+            }
+        );
+        assert_eq!(names_in(&dir), ["sgl_A", "sgl_C"]);
+        let again = update(&config(&["A", "C"]), &dir, Duration::ZERO).unwrap();
+        assert_eq!(again, Updated::default(), "nothing changed, nothing written");
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
