@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use crate::abort::{Aborts, Registered};
 use crate::control;
 use crate::engine::{Engine, RequestRecord, Role, BYTES_PER_TOKEN};
 use crate::kv;
@@ -135,7 +136,9 @@ pub async fn chat_completions(
         headers.get("authorization").and_then(|v| v.to_str().ok()) == Some(format!("Bearer {key}").as_str())
     });
     let dp_rank = engine.rank_for(body.get("routed_dp_rank").or_else(|| body.get("data_parallel_rank")));
+    let registered = Aborts::register(&engine, body.get("rid").and_then(Value::as_str).map(str::to_string));
     engine.record(RequestRecord {
+        rid: body.get("rid").cloned(),
         path: uri.path().to_string(),
         stream,
         bootstrap_room: body.get("bootstrap_room").cloned(),
@@ -153,7 +156,12 @@ pub async fn chat_completions(
         dp_rank,
     });
     let response = if authorized {
-        serve(&engine, api, body, stream, rooms, received_ms, dp_rank).await
+        let abort = Arc::clone(&registered.abort);
+        // An abort before the answer starts drops the work where it is (and its slot with it).
+        tokio::select! {
+            r = serve(&engine, api, body, stream, rooms, received_ms, dp_rank, registered) => r,
+            () = abort.aborted() => error(StatusCode::BAD_REQUEST, "AbortedError", "the request was aborted"),
+        }
     } else {
         error(StatusCode::UNAUTHORIZED, "UnauthorizedError", "missing or wrong API key")
     };
@@ -163,6 +171,7 @@ pub async fn chat_completions(
     response
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     engine: &Arc<Engine>,
     api: Api,
@@ -171,6 +180,7 @@ async fn serve(
     rooms: Vec<u64>,
     received_ms: u64,
     dp_rank: u32,
+    registered: Registered,
 ) -> Response {
     let fault = engine.control().chat.clone();
     if let Some(r) = control::apply(fault, "chat").await {
@@ -336,16 +346,29 @@ async fn serve(
                 })));
             }
         }
+        let mut aborted = false;
         for t in 0..tokens {
             if t > 0 {
                 tokio::time::sleep(engine_for_stream.decode_step()).await;
                 slot.add_kv_token();
             }
+            if registered.abort.is_set() {
+                aborted = true;
+                break;
+            }
             for c in 0..choices {
                 yield Ok::<Bytes, Infallible>(chunk(c, Some(t)));
             }
         }
-        if api != Api::Generate {
+        if aborted {
+            for c in 0..choices {
+                yield Ok(sse(&json!({
+                    "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+                    "sim_engine": meta.engine,
+                    "choices": [{"index": c, "delta": {}, "finish_reason": "abort"}],
+                })));
+            }
+        } else if api != Api::Generate {
             for c in 0..choices {
                 yield Ok(chunk(c, None));
             }

@@ -143,6 +143,7 @@ pub async fn state(State(engine): State<Arc<Engine>>) -> Response {
         },
         "control": engine.control().clone(),
         "recent": recent,
+        "aborts": engine.aborts.received(),
     }))
     .into_response()
 }

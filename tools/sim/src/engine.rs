@@ -138,6 +138,8 @@ pub struct RequestRecord {
     /// The data-parallel rank the body named (`routed_dp_rank`), and the rank that served it.
     pub routed_dp_rank: Option<serde_json::Value>,
     pub dp_rank: u32,
+    /// The request's `rid`, when it has one.
+    pub rid: Option<serde_json::Value>,
 }
 
 const RECENT_REQUESTS: usize = 256;
@@ -172,6 +174,8 @@ pub struct Engine {
     pub prefill_lock: tokio::sync::Mutex<()>,
     pub chat_requests: AtomicU64,
     fault_rng: AtomicU64,
+    /// Requests that can be aborted by id, and the ids aborts named.
+    pub aborts: crate::abort::Aborts,
 }
 
 impl Engine {
@@ -212,6 +216,7 @@ impl Engine {
             rank_counts: (0..args.dp_size.max(1)).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
             prefill_lock: tokio::sync::Mutex::new(()),
             chat_requests: AtomicU64::new(0),
+            aborts: crate::abort::Aborts::default(),
             fault_rng: AtomicU64::new(u64::from(args.port).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             args,
         }

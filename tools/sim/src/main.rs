@@ -2,6 +2,7 @@
 //! (chat completions, load, health, server info) with real running/waiting counts, plus a control
 //! endpoint that lets a test pin load or inject faults.
 
+mod abort;
 mod chat;
 mod control;
 mod engine;
@@ -72,6 +73,7 @@ async fn main() -> std::io::Result<()> {
         .route("/v1/loads", get(loads::v1_loads))
         .route("/get_load", get(loads::get_load))
         .route("/metrics", get(loads::metrics))
+        .route("/abort_request", post(abort::abort_request))
         .route("/health", get(info::health))
         .route("/health_generate", get(info::health))
         .route("/server_info", get(info::server_info))
