@@ -292,3 +292,93 @@ fn an_invalid_update_changes_nothing() {
     let r = send(&live.envoy.url("/v1/chat/completions"), "POST", Some(&chat_body("still", 2, false)), &[]);
     assert_eq!((r.status, r.engine()), (200, "A".to_string()));
 }
+
+/// Sends `body` to `path` on a raw connection, reads `read_bytes` of the answer (0: none), waits
+/// `after`, and goes away.
+fn send_and_leave(envoy: &Envoy, path: &str, body: &Value, read_bytes: usize, after: Duration) {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
+    let body = body.to_string();
+    write!(
+        socket,
+        "POST {path} HTTP/1.1\r\nHost: sgl\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = vec![0u8; read_bytes];
+    if read_bytes > 0 {
+        socket.read_exact(&mut got).unwrap();
+    }
+    sleep(after);
+    drop(socket);
+}
+
+/// The rid the engine saw on its last request, and the ids aborts named there.
+fn last_rid_and_aborts(sim: &Sim) -> (String, Vec<String>) {
+    let state = sim.state();
+    let rid = state["recent"].as_array().and_then(|r| r.last()).map(|r| r["rid"].clone()).unwrap_or_default();
+    let aborts = state["aborts"].as_array().map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect());
+    (rid.as_str().unwrap_or_default().to_string(), aborts.unwrap_or_default())
+}
+
+/// A client that leaves mid-stream: its engine receives `/abort_request` with the request's id
+/// (Envoy's, written into the body) and stops.
+#[test]
+fn a_client_gone_mid_stream_is_aborted_at_its_engine() {
+    let specs = vec![SimSpec { token_delay_ms: 50, ..SimSpec::plain("A") }];
+    let d = Deployment::start("abort_plain", specs, plain_router);
+    d.wait_for_service(1);
+    send_and_leave(
+        &d.envoy,
+        "/v1/chat/completions",
+        &chat_body("leave early", 200, true),
+        200,
+        Duration::from_millis(300),
+    );
+    let a = d.sim("A");
+    let (rid, aborts) = wait_for("the abort at A", Duration::from_secs(10), || {
+        let (rid, aborts) = last_rid_and_aborts(a);
+        aborts.contains(&rid).then_some((rid, aborts))
+    });
+    assert!(!rid.is_empty(), "the request carried an id: {aborts:?}");
+    wait_for("A to stop", Duration::from_secs(5), || (a.state()["running"] == 0).then_some(()));
+    wait_for("the abort counted", Duration::from_secs(10), || {
+        (d.envoy.metric("sgl_router_aborts_total{stage=\"plain\"}")? >= 1.0).then_some(())
+    });
+    // A request that completes is not aborted.
+    let r = d.chat(&chat_body("stay", 2, true));
+    assert_eq!(r.status, 200);
+    sleep(Duration::from_millis(300));
+    assert_eq!(last_rid_and_aborts(a).1.len(), 1, "nothing more aborted");
+}
+
+/// In PD the client leaves while the prefill is still running: the prefill engine and the decode
+/// engine both receive the abort, with the same id, and both stop.
+#[test]
+fn a_client_gone_during_the_prefill_is_aborted_at_both_engines() {
+    let prefill = SimSpec { extra: vec!["--prefill-tps".into(), "400".into()], ..SimSpec::prefill("P") };
+    let d = Deployment::start("abort_pd", vec![prefill, SimSpec::decode("D")], |sims| {
+        pd_router(sims, &[("pd", 0, 1_000_000, 2_000_000, &["P"], &["D"])])
+    });
+    d.wait_for_service(2);
+    let long = "a prompt that takes the prefill engine a while ".repeat(40);
+    send_and_leave(&d.envoy, "/v1/chat/completions", &chat_body(&long, 20, true), 0, Duration::from_millis(500));
+    let (p, dec) = (d.sim("P"), d.sim("D"));
+    let (prid, paborts) = wait_for("the abort at P", Duration::from_secs(10), || {
+        let (rid, aborts) = last_rid_and_aborts(p);
+        aborts.contains(&rid).then_some((rid, aborts))
+    });
+    let (drid, _) = wait_for("the abort at D", Duration::from_secs(10), || {
+        let (rid, aborts) = last_rid_and_aborts(dec);
+        aborts.contains(&rid).then_some((rid, aborts))
+    });
+    assert_eq!(prid, drid, "one id at both engines: {paborts:?}");
+    for sim in [p, dec] {
+        wait_for("the engines to stop", Duration::from_secs(5), || (sim.state()["running"] == 0).then_some(()));
+    }
+    for stage in ["prefill", "decode"] {
+        wait_for("the aborts counted", Duration::from_secs(10), || {
+            (d.envoy.metric(&format!("sgl_router_aborts_total{{stage=\"{stage}\"}}"))? >= 1.0).then_some(())
+        });
+    }
+}

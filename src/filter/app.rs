@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use super::generation::request_id::{request_id, REQUEST_ID_HEADER};
 use super::generation::{self, Effects, Endpoint, Outcome, Prepared, Ticket, Wiring};
 use super::headers::ProtectedHeaders;
 use super::indexer::IndexerClient;
@@ -187,11 +188,12 @@ impl AppContext {
     }
 
     /// Prepares a buffered body of a generation endpoint for selection. `header` reads a request
-    /// header. The ticket names the indexer's match call when the request is to ask it first.
+    /// header. The ticket names the indexer's match call when the request is to ask it first, and
+    /// keeps the body for its rewrites.
     pub fn prepare(
         &self,
         endpoint: Endpoint,
-        body: &[u8],
+        body: Vec<u8>,
         header: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Ticket, RouteError> {
         let bytes_per_token = self.config.tokens.bytes_per_token;
@@ -199,7 +201,7 @@ impl AppContext {
         // prompts, and kept for those that do.
         let Prepared { facts, prompts, prompt_text } = generation::prepare_endpoint(
             endpoint,
-            body,
+            &body,
             bytes_per_token,
             self.generate_model.as_deref(),
             !self.prefix_models.is_empty(),
@@ -219,7 +221,7 @@ impl AppContext {
         let call = self.indexer.as_ref().and_then(|client| match (endpoint, prompts.single_token_ids()) {
             (_, Some(ids)) => Some(client.match_tokens(&facts.model, ids)),
             (Endpoint::Chat, None) if client.tokenizes_chat() && model.tokenizer.is_some() => {
-                Some(client.match_chat(body))
+                Some(client.match_chat(&body))
             }
             _ => None,
         });
@@ -239,9 +241,11 @@ impl AppContext {
             session_key: key(&model.session_id_header),
             routing_key: key(&model.routing_key_header),
         };
-        // Only a PD pick, or one naming a data-parallel rank, rewrites the body, from its own parse.
-        let body = self.rewriting_models.contains(&facts.model).then(|| body.to_vec());
-        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, indexer_call })
+        let rid = request_id(&facts.client_rid, header(REQUEST_ID_HEADER).as_deref(), self.handles.random.as_ref());
+        // Kept only where it may be rewritten: the id goes in, or a PD or rank pick rewrites it.
+        let rewrites = rid.as_ref().is_some_and(|r| r.injected) || self.rewriting_models.contains(&facts.model);
+        let body = rewrites.then_some(body);
+        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call })
     }
 
     /// Selects engines for a prepared request and makes its decision.

@@ -27,8 +27,9 @@
 use std::mem;
 use std::sync::Arc;
 
+use super::generation::abort::abort_request;
 use super::generation::pd::{forwarded_headers, Flow, PrefillDone};
-use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, Ticket};
+use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, Target, Ticket};
 use super::indexer::IndexerCall;
 use super::metrics::error_outcome;
 use super::models::{list_models, retrieve_model};
@@ -36,6 +37,7 @@ use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
 use crate::host::CalloutRequest;
 use crate::protocol::indexer::IndexerAnswer;
+use crate::registry::Role;
 use crate::state::load_monitor::InflightGuard;
 use crate::wiring::counters::{Bumps, Counter, IndexerEvent, SELECTION_US};
 
@@ -58,6 +60,9 @@ pub enum Action {
     Dispatch(CalloutRequest),
     /// A callout whose answer nobody reads.
     Notify(CalloutRequest),
+    /// A callout that outlives the stream (an abort sent as it ends): the glue sends it on behalf
+    /// of the VM, so Envoy does not cancel it with the stream.
+    Detach(CalloutRequest),
     /// Answer the client from the filter.
     Reply {
         status: u16,
@@ -124,6 +129,8 @@ struct Routed {
     answered: bool,
     /// Routed notices awaiting the indexer's answer: (token, replica), for its counters.
     notices: Vec<(u32, Arc<str>)>,
+    /// The engine's response reached its end: nothing is left to abort.
+    complete: bool,
 }
 
 #[derive(Debug, Default)]
@@ -250,7 +257,7 @@ impl RequestLife {
         Self::sync(app, out);
         let body = read(size);
         let started_us = app.monotonic_us();
-        let mut ticket = match app.prepare(held.endpoint, &body, &|name| held.header(name)) {
+        let mut ticket = match app.prepare(held.endpoint, body, &|name| held.header(name)) {
             Ok(ticket) => ticket,
             Err(error) => return self.fail(app, &error, out),
         };
@@ -443,17 +450,26 @@ impl RequestLife {
             _upstream: guard,
             answered: false,
             notices: Vec::new(),
+            complete: false,
         }));
         Self::sync(app, out);
         out.push(Action::Proceed);
     }
 
-    /// The upstream's response headers (`status` as it answered).
-    pub fn on_response_headers(&mut self, app: &AppContext, status: Option<u16>, out: &mut Actions) {
+    /// The upstream's response headers (`status` as it answered; `end_of_stream` when there is
+    /// no body).
+    pub fn on_response_headers(
+        &mut self,
+        app: &AppContext,
+        status: Option<u16>,
+        end_of_stream: bool,
+        out: &mut Actions,
+    ) {
         let State::Routed(routed) = &mut self.state else { return out.push(Action::Proceed) };
         if routed.answered {
             return out.push(Action::Proceed);
         }
+        routed.complete = end_of_stream;
         if let Some(vm) = &self.vm_header {
             out.push(Action::SetResponseHeader("x-sgl-vm", vm.clone()));
         }
@@ -465,10 +481,13 @@ impl RequestLife {
         }
     }
 
-    /// A chunk of the upstream's response body.
-    pub fn on_response_body(&mut self, out: &mut Actions) {
-        let held = match &self.state {
-            State::Routed(routed) if !routed.answered => routed.exchange.on_upstream_body() == Flow::Hold,
+    /// A chunk of the upstream's response body (`end_of_stream` on its last).
+    pub fn on_response_body(&mut self, end_of_stream: bool, out: &mut Actions) {
+        let held = match &mut self.state {
+            State::Routed(routed) if !routed.answered => {
+                routed.complete |= end_of_stream;
+                routed.exchange.on_upstream_body() == Flow::Hold
+            }
             _ => false,
         };
         if !held {
@@ -476,9 +495,30 @@ impl RequestLife {
         }
     }
 
-    /// The stream ended, however: completed, failed, or the client went away at any step.
+    /// The aborts of a routed request that did not complete: the upstream engine, and the prefill
+    /// engine while its callout is out. A request whose `rid` is the client's list has no id.
+    fn abort(app: &AppContext, routed: &Routed, out: &mut Actions) {
+        let decision = routed.exchange.decision();
+        let Some(rid) = decision.rid.as_deref() else { return };
+        let upstream = decision.target.upstream();
+        let stage = if decision.pd.is_some() { Role::Decode } else { Role::Plain };
+        let mut counters = vec![Counter::Abort(stage)];
+        out.push(Action::Detach(abort_request(upstream, rid)));
+        let prefill_out = routed.prefill.as_ref().is_some_and(|(_, guard)| guard.is_some());
+        if let (true, Target::Pd { prefill, .. }) = (prefill_out, &decision.target) {
+            out.push(Action::Detach(abort_request(prefill, rid)));
+            counters.push(Counter::Abort(Role::Prefill));
+        }
+        app.count(counters);
+    }
+
+    /// The stream ended, however: completed, failed, or the client went away at any step. Each
+    /// engine still working on a request that did not complete is told to stop (spec §8).
     pub fn on_end(&mut self, app: &AppContext, out: &mut Actions) {
         if let State::Routed(mut routed) = mem::replace(&mut self.state, State::Ended) {
+            if !routed.complete {
+                Self::abort(app, &routed, out);
+            }
             app.carry_out(routed.exchange.on_end());
         }
         // Whatever was held (an indexer slot, in-flight slots) is given back by now.
@@ -588,25 +628,28 @@ mod tests {
         let app = plain_app();
         let mut life = RequestLife::new(Some("00ff".into()));
         let mut out = Vec::new();
-        life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), false, &mut out);
+        let mut with_id = headers("POST", "/v1/chat/completions");
+        with_id.push(("x-request-id".into(), b"req-1".to_vec()));
+        life.on_request_headers(&app, with_id, false, &mut out);
         assert_eq!(visible(&mut out), [Action::RemoveRequestHeader("x-sgl-cluster".into())], "held for the body");
         life.on_request_body(&app, 10, false, &mut |_| unreachable!("not read before its end"), &mut out);
         assert!(visible(&mut out).is_empty(), "buffering");
         life.on_request_body(&app, CHAT.len(), true, &mut |_| CHAT.to_vec(), &mut out);
         assert!(out.iter().any(|a| matches!(a, Action::Observe(SELECTION_US, _))), "selection time sampled");
         let actions = visible(&mut out);
-        assert_eq!(
-            actions,
-            [
-                Action::SetRequestHeader("x-sgl-cluster".into(), "sgl_A".into()),
-                Action::ClearRouteCache,
-                Action::Proceed
-            ]
-        );
+        let sent = body_of(&actions).unwrap();
+        assert_eq!((sent["rid"].as_str(), sent["max_tokens"].as_u64()), (Some("req-1"), Some(4)), "Envoy's id");
+        let [Action::SetRequestHeader(name, cluster), Action::ClearRouteCache, Action::SetRequestHeader(length, n), Action::ReplaceRequestBody { size, body }, Action::Proceed] =
+            &actions[..]
+        else {
+            panic!("{actions:?}")
+        };
+        assert_eq!((name.as_str(), cluster.as_str(), length.as_str()), ("x-sgl-cluster", "sgl_A", "content-length"));
+        assert_eq!((n.clone(), *size), (body.len().to_string(), CHAT.len()));
         assert_eq!(inflight(&app, "A"), 1);
         life.on_request_body(&app, CHAT.len(), true, &mut |_| unreachable!(), &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "routed: the body passes");
-        life.on_response_headers(&app, Some(200), &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut out);
         assert_eq!(
             visible(&mut out),
             [
@@ -616,7 +659,7 @@ mod tests {
                 Action::Proceed
             ]
         );
-        life.on_response_body(&mut out);
+        life.on_response_body(false, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed]);
         life.on_end(&app, &mut out);
         assert_eq!(inflight(&app, "A"), 0, "released at the stream's end");
@@ -633,7 +676,7 @@ mod tests {
         life.on_end(&app, &mut out);
         out.clear();
         life.on_request_body(&app, 20, true, &mut |_| unreachable!("ended: never read"), &mut out);
-        life.on_response_headers(&app, None, &mut out);
+        life.on_response_headers(&app, None, false, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed, Action::Proceed]);
         assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (0, 0));
     }
@@ -683,7 +726,7 @@ mod tests {
         life.on_request_headers(&app, headers("GET", "/health"), true, &mut out);
         assert_eq!(visible(&mut out)[1..], [Action::ClearRouteCache, Action::Proceed]);
         life.on_request_body(&app, 3, true, &mut |_| unreachable!(), &mut out);
-        life.on_response_headers(&app, Some(200), &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed, Action::Proceed], "not ours: untouched");
     }
 
@@ -694,7 +737,7 @@ mod tests {
         assert_eq!(reply_status(&actions), Some(400));
         let mut out = Vec::new();
         life.on_request_body(&app, 9, true, &mut |_| unreachable!(), &mut out);
-        life.on_response_headers(&app, Some(400), &mut out);
+        life.on_response_headers(&app, Some(400), false, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "the filter's own reply passes untouched");
         let mut life = RequestLife::default();
         life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), false, &mut out);
@@ -887,6 +930,7 @@ mod tests {
         assert!(upstream(&actions).is_some(), "over the cap: routed on load at once");
         second.on_end(&app, &mut out);
         first.on_end(&app, &mut out);
+        assert!(matches!(visible(&mut out)[..], [Action::Detach(_)]), "the routed one is aborted, the waiting one not");
         first.on_callout_answer(&app, 1, Some(200), &mut || unreachable!(), &mut out);
         assert!(visible(&mut out).is_empty(), "ended: the late answer is ignored");
         let (_, actions) = send(&app, "/v1/completions", &tokens());
@@ -918,11 +962,11 @@ mod tests {
         life.on_dispatched(&app, Ok(5), &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed]);
         assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (1, 1));
-        life.on_response_headers(&app, Some(200), &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut out);
         let actions = visible(&mut out);
         assert!(actions.contains(&Action::SetResponseHeader("x-sgl-prefill-worker", "P".into())));
         assert!(!actions.contains(&Action::Proceed), "held until the prefill answered");
-        life.on_response_body(&mut out);
+        life.on_response_body(false, &mut out);
         assert!(visible(&mut out).is_empty(), "the body is held too");
         life.on_callout_answer(&app, 5, Some(200), &mut || unreachable!("not read"), &mut out);
         assert_eq!(visible(&mut out), [Action::ResumeResponse]);
@@ -942,11 +986,11 @@ mod tests {
 
         let (mut life, _) = pd_send(&app);
         life.on_dispatched(&app, Ok(9), &mut out);
-        life.on_response_headers(&app, Some(200), &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut out);
         out.clear();
         life.on_callout_answer(&app, 9, Some(500), &mut || unreachable!(), &mut out);
         assert_eq!(reply_status(&visible(&mut out)), Some(502));
-        life.on_response_headers(&app, Some(502), &mut out);
+        life.on_response_headers(&app, Some(502), false, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "the filter's reply is not the engine's");
         life.on_end(&app, &mut out);
         assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0));
@@ -962,7 +1006,69 @@ mod tests {
         out.clear();
         life.on_end(&app, &mut out);
         assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0));
+        let mut counted: Vec<String> = app.handles().counters.take(0).into_keys().map(|c| c.name()).collect();
+        for a in &out {
+            if let Action::Count(bumps) = a {
+                counted.extend(bumps.keys().map(Counter::name));
+            }
+        }
+        let aborts = aborts(&mut out);
+        assert_eq!(aborts.len(), 2, "decode and the prefill still out: {aborts:?}");
+        assert_eq!((aborts[0].0.as_str(), aborts[1].0.as_str()), ("sgl_D", "sgl_P"));
+        assert_eq!(aborts[0].1, aborts[1].1, "one id at both engines");
+        assert!(aborts[0].1.starts_with("sgl-"), "drawn: the test sends no x-request-id");
+        for stage in ["decode", "prefill"] {
+            assert!(counted.contains(&format!("sgl_router_aborts_total.stage.{stage}")), "{counted:?}");
+        }
         life.on_callout_answer(&app, 3, Some(200), &mut || unreachable!(), &mut out);
         assert!(visible(&mut out).is_empty());
+    }
+
+    /// (cluster, rid) of each abort among `out`.
+    fn aborts(out: &mut Actions) -> Vec<(String, String)> {
+        visible(out)
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Detach(r) if r.path == "/abort_request" => {
+                    let body: Value = serde_json::from_slice(r.body.as_deref()?).ok()?;
+                    Some((r.cluster, body["rid"].as_str()?.to_string()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A stream that ends after its response completed aborts nothing; one cut before (the
+    /// client gone mid-stream) aborts its engine by the client's own `rid`, and once the prefill
+    /// answered, only the decode engine is told.
+    #[test]
+    fn only_an_incomplete_stream_is_aborted_by_its_id() {
+        let app = plain_app();
+        let body = br#"{"model": "m", "rid": "client-7", "messages": [{"role": "user", "content": "hi"}]}"#;
+        let (mut life, actions) = send(&app, "/v1/chat/completions", body);
+        assert!(body_of(&actions).is_none(), "the client's own rid: the body goes as it came");
+        let mut out = Vec::new();
+        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_body(false, &mut out);
+        life.on_response_body(true, &mut out);
+        life.on_end(&app, &mut out);
+        assert!(aborts(&mut out).is_empty(), "complete");
+
+        let (mut life, _) = send(&app, "/v1/chat/completions", body);
+        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_body(false, &mut out);
+        life.on_end(&app, &mut out);
+        let sent = aborts(&mut out);
+        assert_eq!(sent.len(), 1);
+        assert_eq!(sent[0].1, "client-7");
+
+        let pd = pd_app();
+        let (mut life, _) = pd_send(&pd);
+        life.on_dispatched(&pd, Ok(4), &mut out);
+        life.on_callout_answer(&pd, 4, Some(200), &mut || unreachable!(), &mut out);
+        life.on_response_headers(&pd, Some(200), false, &mut out);
+        life.on_end(&pd, &mut out);
+        let sent = aborts(&mut out);
+        assert_eq!(sent.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(), ["sgl_D"], "the prefill was done");
     }
 }

@@ -21,12 +21,31 @@ pub struct Filter {
     /// Every hook's actions, in one buffer kept for the stream: a streamed response's chunks
     /// allocate nothing.
     actions: Actions,
+    /// This stream's context id and its root's.
+    context_id: u32,
+    root_id: u32,
 }
 
 impl Filter {
-    pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>, vm: u64) -> Self {
+    /// `contexts`: this stream's context id and its root's.
+    pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>, vm: u64, contexts: (u32, u32)) -> Self {
         let vm_header = app.borrow().vm_header(vm);
-        Self { app, stats, life: RequestLife::new(vm_header), actions: Vec::new() }
+        let (context_id, root_id) = contexts;
+        Self { app, stats, life: RequestLife::new(vm_header), actions: Vec::new(), context_id, root_id }
+    }
+
+    /// Sends `request` as the root context's callout: Envoy cancels a stream's callouts when the
+    /// stream goes, and this one must reach its engine after. Its answer goes to the root, which
+    /// reads none.
+    fn detach(&self, request: &crate::host::CalloutRequest) {
+        if let Err(status) = hostcalls::set_effective_context(self.root_id) {
+            log::warn!("{} to {} not sent: no root context ({status:?})", request.path, request.cluster);
+            return;
+        }
+        if let Err(e) = dispatch(request) {
+            log::warn!("{} to {} not sent: {e}", request.path, request.cluster);
+        }
+        let _ = hostcalls::set_effective_context(self.context_id);
     }
 
     /// The buffer for one hook's actions.
@@ -60,6 +79,7 @@ impl Filter {
                     self.life.on_dispatched(&self.app.borrow(), result, &mut more);
                     actions.splice(i + 1..i + 1, more);
                 }
+                Action::Detach(request) => self.detach(&request),
                 Action::Notify(request) => {
                     let result = dispatch(&request).map_err(|e| e.to_string());
                     self.life.on_notice_dispatched(&self.app.borrow(), &request.cluster, result);
@@ -122,17 +142,17 @@ impl HttpContext for Filter {
         Self::flow(self.carry_out(actions))
     }
 
-    fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Flow {
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Flow {
         let _clock = ClockScope::enter();
         let status = self.get_http_response_header(":status").and_then(|s| s.parse().ok());
         let mut actions = self.take_actions();
-        self.life.on_response_headers(&self.app.borrow(), status, &mut actions);
+        self.life.on_response_headers(&self.app.borrow(), status, end_of_stream, &mut actions);
         Self::flow(self.carry_out(actions))
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Flow {
+    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Flow {
         let mut actions = self.take_actions();
-        self.life.on_response_body(&mut actions);
+        self.life.on_response_body(end_of_stream, &mut actions);
         Self::flow(self.carry_out(actions))
     }
 

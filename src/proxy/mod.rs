@@ -10,7 +10,7 @@ mod stats;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(root::Root::default())
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::Root::new(context_id))
     });
 }}

@@ -25,6 +25,8 @@ pub const SERVICE_ROOT_ID: &str = "sgl_router_service";
 
 #[derive(Default)]
 pub struct Root {
+    /// This root's context id: callouts that outlive a stream are sent on its behalf.
+    context_id: u32,
     filter: Option<Rc<RefCell<AppContext>>>,
     stats: Rc<Stats>,
     /// This filter VM's identity for its in-flight shares; kept across `on_configure` calls.
@@ -47,6 +49,10 @@ fn root_id() -> String {
 }
 
 impl Root {
+    pub fn new(context_id: u32) -> Self {
+        Self { context_id, ..Self::default() }
+    }
+
     /// Keeps an idle replica current and reports how far it is, so tests and operators can see
     /// replicas agree.
     fn export_replica(&self) {
@@ -165,13 +171,14 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let app = self.filter.as_ref()?;
         if !self.serving.replace(true) {
             // The other VMs learn at their next heartbeat that this one serves too.
             self.heartbeat();
         }
-        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats), self.vm.unwrap_or(0))))
+        let contexts = (context_id, self.context_id);
+        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats), self.vm.unwrap_or(0), contexts)))
     }
 
     fn get_type(&self) -> Option<ContextType> {

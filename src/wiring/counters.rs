@@ -38,6 +38,8 @@ pub enum Counter {
     /// `sgl_router_indexer_failovers_total` (it failed and the next replica was asked),
     /// `sgl_router_indexer_notices_total{result=sent|failed}`.
     Indexer(Arc<str>, IndexerEvent),
+    /// `sgl_router_aborts_total{stage}`: aborts sent to engines for requests whose client left.
+    Abort(Role),
 }
 
 /// What happened with one indexer replica.
@@ -72,6 +74,7 @@ impl Counter {
             Counter::PrefixLookup(v) => (5, v, ""),
             Counter::HealthTableStale => (6, "", ""),
             Counter::Indexer(cluster, event) => (7, cluster, event.as_str()),
+            Counter::Abort(stage) => (8, stage.as_str(), ""),
         }
     }
 
@@ -102,6 +105,7 @@ impl Counter {
                     }
                 }
             }
+            Counter::Abort(stage) => format!("sgl_router_aborts_total.stage.{}", stage.as_str()),
         }
     }
 }

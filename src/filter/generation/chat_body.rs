@@ -44,6 +44,8 @@ pub struct ChatBody<'a> {
     pub presence_penalty: Option<Value>,
     #[serde(default, deserialize_with = "present")]
     pub repetition_penalty: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    pub rid: Option<Value>,
 }
 
 impl ChatBody<'_> {

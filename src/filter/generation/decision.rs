@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 use super::bucket_loop::select;
 use super::dp_rank::{choose_rank, with_rank};
 use super::pd::{bootstrap_fields, PdDispatch};
+use super::request_id::{with_rid, RequestId};
 use super::{Endpoint, RequestFacts};
 use crate::buckets::{BucketPick, BucketRequest, BucketResolver};
 use crate::filter::indexer::{verdict, IndexerCall, IndexerClient};
@@ -55,8 +56,11 @@ pub struct Decision {
     pub upstream_header: (String, String),
     /// PD only: the rewritten body and the prefill callout.
     pub pd: Option<PdDispatch>,
-    /// Plain only: the body rewritten for the engine (its data-parallel rank named), when it is.
+    /// Plain only: the body rewritten for the engine (its id written, its data-parallel rank
+    /// named), when it is.
     pub body: Option<Vec<u8>>,
+    /// The request's id at its engines, which an abort names.
+    pub rid: Option<Arc<str>>,
     /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
     /// to the service once the decision is carried out.
     pub prefix_event: Option<PrefixEvent>,
@@ -88,8 +92,11 @@ pub struct Ticket {
     pub facts: RequestFacts,
     pub request: BucketRequest,
     pub(crate) resolver: Arc<BucketResolver>,
-    /// The body as it came, kept only where a PD pick may rewrite it.
+    /// The body as it came, for the rewrites: the request's id, a PD pick's bootstrap fields, a
+    /// data-parallel rank.
     pub(crate) body: Option<Vec<u8>>,
+    /// The request's id at its engines; `None` when the client's `rid` is not one string.
+    pub rid: Option<RequestId>,
     /// The indexer's match call, when the request is to ask it.
     pub(crate) indexer_call: Option<IndexerCall>,
 }
@@ -163,14 +170,25 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         let loads = loads.get_or_insert_with(|| wiring.load.snapshot());
         choose_rank(engine.dp_size, ranks.unwrap_or_default(), loads.get(&engine.id))
     };
-    // Validated as a JSON object already; a rewrite is the one path that needs its tree.
+    // The id goes into the body the client sent without one.
+    let injected = ticket.rid.as_ref().filter(|r| r.injected).map(|r| Arc::clone(&r.value));
+    // Validated as a JSON object already; the PD and rank rewrites need its tree.
     let mut tree = || -> Map<String, Value> {
-        ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default()
+        let mut tree: Map<String, Value> =
+            ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default();
+        if let Some(rid) = &injected {
+            tree.insert("rid".to_string(), Value::String(rid.to_string()));
+        }
+        tree
     };
     let (target, pd, body, rank) = match &selection.pick {
         BucketPick::Plain(p) => {
             let rank = rank_of(&p.engine, true);
-            let body = rank.map(|r| with_rank(&tree(), r));
+            let body = match (rank, &injected) {
+                (Some(r), _) => Some(with_rank(&tree(), r)),
+                (None, Some(rid)) => ticket.body.take().map(|raw| with_rid(raw, rid)),
+                (None, None) => None,
+            };
             (Target::Plain(Arc::clone(&p.engine)), None, body, rank)
         }
         BucketPick::Pd { prefill, decode } => {
@@ -223,6 +241,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             target,
             pd,
             body,
+            rid: ticket.rid.map(|r| r.value),
             prefix_event,
             notices,
         }),

@@ -2,6 +2,7 @@
 //! body, prepare its facts once ([`Ticket`]), walk the resolved buckets, turn the selection into a
 //! [`Decision`], and follow the routed request to its end ([`Exchange`], PD's hand-off).
 
+pub mod abort;
 pub mod bucket_loop;
 mod chat_body;
 pub mod decision;
@@ -10,12 +11,13 @@ pub mod endpoint;
 pub mod exchange;
 pub mod pd;
 mod prepare;
+pub mod request_id;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
 pub use decision::{decide, Decision, Outcome, Target, Ticket, Wiring};
 pub use endpoint::{prepare_endpoint, token_id_text, Endpoint, Prepared, Prompts};
 pub use exchange::{Effects, Exchange};
-pub use prepare::{prepare, prepare_chat, RequestFacts, MAX_PROMPT_BYTES};
+pub use prepare::{prepare, prepare_chat, ClientRid, RequestFacts, MAX_PROMPT_BYTES, MAX_RID_BYTES};
 
 use crate::filter::errors::{payload_too_large, MAX_BODY_BYTES};
 use crate::filter::RouteError;
