@@ -226,7 +226,7 @@ fn run(engines: usize, policy: &str, requests: u32) {
         count(&mut out, handed);
         meter.stop(&mut phases[1]);
         let meter = Meter::start();
-        life.on_response_headers(&app, Some(200), true, &mut out);
+        life.on_response_headers(&app, Some(200), true, &mut || None, &mut out);
         count(&mut out, handed);
         meter.stop(&mut phases[2]);
         let meter = Meter::start();

@@ -74,6 +74,33 @@ impl EngineGroup {
 
     /// Invokes the policy on the exact candidate set and rejects any answer outside it, including
     /// a different allocation that happens to carry a candidate's id.
+    /// Up to `n` engines to retry on after `primary` (this group's pick), in order, each chosen by
+    /// the group's policy without the ones before it; only engines `eligible` says may be named.
+    pub fn fallbacks(
+        &self,
+        live: &LiveEngines,
+        request: &PickRequest<'_>,
+        primary: &Engine,
+        n: usize,
+        eligible: &dyn Fn(&Engine) -> bool,
+    ) -> Vec<Arc<Engine>> {
+        let mut rest: Vec<Arc<Engine>> = self
+            .candidates(live, request.model)
+            .iter()
+            .filter(|c| c.id != primary.id && eligible(c))
+            .cloned()
+            .collect();
+        let mut chosen = Vec::new();
+        let mut failed = primary;
+        while chosen.len() < n && !rest.is_empty() {
+            let Some(next) = self.policy.fallback(&rest, failed, request) else { break };
+            rest.retain(|c| c.id != next.id);
+            chosen.push(next);
+            failed = chosen.last().map_or(primary, |c| c.as_ref());
+        }
+        chosen
+    }
+
     pub fn pick(&self, live: &LiveEngines, request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let candidates = self.candidates(live, request.model);
         if candidates.is_empty() {
@@ -177,6 +204,22 @@ impl Bucket {
 
     /// Picks every engine this bucket needs. A PD bucket picks prefill then decode; a decode
     /// failure discards the tentative prefill choice (nothing was dispatched).
+    /// The engines to retry the upstream stage (plain or decode) on after `primary`.
+    pub fn fallbacks(
+        &self,
+        live: &LiveEngines,
+        request: &BucketRequest,
+        primary: &Engine,
+        n: usize,
+        eligible: &dyn Fn(&Engine) -> bool,
+    ) -> Vec<Arc<Engine>> {
+        let (group, stage) = match &self.groups {
+            BucketGroups::Plain(group) => (group, Role::Plain),
+            BucketGroups::Pd { decode, .. } => (decode, Role::Decode),
+        };
+        group.fallbacks(live, &request.for_stage(&self.id, stage), primary, n, eligible)
+    }
+
     pub fn pick_engines(&self, live: &LiveEngines, request: &BucketRequest) -> Result<BucketPick, StageError> {
         let at = |stage: Role| move |error| StageError { stage, error };
         match &self.groups {

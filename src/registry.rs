@@ -52,6 +52,12 @@ impl EngineAddress {
         Ok(Self { host, port })
     }
 
+    /// `ip:port` as Envoy names a host of a STATIC cluster, when the host is an IP literal.
+    pub fn socket(&self) -> Option<String> {
+        let ip = self.host.parse::<std::net::IpAddr>().ok()?;
+        Some(std::net::SocketAddr::new(ip, self.port).to_string())
+    }
+
     /// `host:port`, bracketing IPv6 literals, as ORIGINAL_DST expects.
     pub fn host_port(&self) -> String {
         if self.host.contains(':') {
@@ -95,6 +101,15 @@ pub struct Engine {
     pub dp_size: u32,
     /// Draining: it takes no new request (its requests in flight complete).
     pub draining: bool,
+}
+
+impl Engine {
+    /// Whether the engine is a host of the engines cluster (spec §8): Envoy routes its requests
+    /// by address there, and can send one it refused to another. A prefill engine is reached by
+    /// callout, and a host named by DNS has no address Envoy's host map knows.
+    pub fn in_engines_cluster(&self) -> bool {
+        self.role != Role::Prefill && self.address.socket().is_some()
+    }
 }
 
 /// SGLang's default bootstrap port, used when a prefill worker does not name one.

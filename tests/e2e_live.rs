@@ -382,3 +382,71 @@ fn a_client_gone_during_the_prefill_is_aborted_at_both_engines() {
         });
     }
 }
+
+/// Engines behind a round robin whose health checks are far apart, so a dead engine keeps its
+/// turn: only the retry saves its requests.
+fn slow_health_router(sims: &[Sim], retry: Option<u32>) -> Value {
+    let mut router = plain_router(sims);
+    router["health"] = json!({"interval_ms": 60_000, "timeout_ms": 500});
+    if let Some(attempts) = retry {
+        router["retry"] = json!({"attempts": attempts});
+    }
+    router
+}
+
+/// Sends `n` requests one after the other; (status, engine) of each.
+fn statuses(d: &Deployment, n: usize) -> Vec<(u16, String)> {
+    (0..n)
+        .map(|i| {
+            let r = d.chat(&chat_body(&format!("retry {i}"), 2, i % 2 == 0));
+            (r.status, r.header("x-sgl-worker").unwrap_or_default().to_string())
+        })
+        .collect()
+}
+
+/// An engine that refuses connections: each request routed to it succeeds on the next engine the
+/// rotation names (default `retry.attempts: 1`); with `attempts: 0` it fails as before.
+#[test]
+fn a_refused_request_is_retried_on_the_engine_the_policy_names_next() {
+    let specs = ["A", "B", "C"].map(SimSpec::plain).to_vec();
+    let mut d = Deployment::start("retry_plain", specs, |sims| slow_health_router(sims, None));
+    d.wait_for_service(3);
+    d.sims[2].stop();
+    let answers = statuses(&d, 12);
+    assert!(answers.iter().all(|(s, w)| *s == 200 && w != "C"), "{answers:?}");
+    let on_a = answers.iter().filter(|(_, w)| w == "A").count();
+    assert!(on_a >= 7, "C's turns went to A, the next in the rotation: {answers:?}");
+    wait_for("the retries counted", Duration::from_secs(10), || {
+        (d.envoy.metric("sgl_router_retries_total{stage=\"plain\"}")? >= 4.0).then_some(())
+    });
+
+    let mut off = Deployment::start("retry_off", ["A", "B", "C"].map(SimSpec::plain).to_vec(), |sims| {
+        slow_health_router(sims, Some(0))
+    });
+    off.wait_for_service(3);
+    off.sims[2].stop();
+    let answers = statuses(&off, 12);
+    let failed = answers.iter().filter(|(s, _)| *s == 503).count();
+    assert_eq!(failed, 4, "every third request reached C: {answers:?}");
+}
+
+/// In PD a decode engine that refuses the connection: the request goes to the other decode
+/// engine, with the same prefill and bootstrap room, and succeeds.
+#[test]
+fn a_refused_decode_is_retried_on_another_decode_engine() {
+    let specs = vec![SimSpec::prefill("P"), SimSpec::decode("D1"), SimSpec::decode("D2")];
+    let mut d = Deployment::start("retry_decode", specs, |sims| {
+        let mut router = pd_router(sims, &[("pd", 0, 1_000_000, 2_000_000, &["P"], &["D1", "D2"])]);
+        router["health"] = json!({"interval_ms": 60_000, "timeout_ms": 500});
+        router["models"]["demo-model"]["buckets"][0]["groups"]["pd"]["decode"]["policy"] =
+            json!({"type": "round_robin"});
+        router
+    });
+    d.wait_for_service(3);
+    d.sims[1].stop();
+    let answers = statuses(&d, 8);
+    assert!(answers.iter().all(|(s, w)| *s == 200 && w == "D2"), "{answers:?}");
+    wait_for("the retries counted", Duration::from_secs(10), || {
+        (d.envoy.metric("sgl_router_retries_total{stage=\"decode\"}")? >= 3.0).then_some(())
+    });
+}

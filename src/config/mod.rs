@@ -124,6 +124,22 @@ mod tests {
     }
 
     #[test]
+    fn retries_default_to_one_where_envoy_can_retry_and_are_bounded() {
+        assert_eq!(from_value(minimal()).unwrap().retry_attempts(), 1);
+        let mut dst = minimal();
+        dst["upstream"] = json!({"mode": "original_dst"});
+        assert_eq!(from_value(dst.clone()).unwrap().retry_attempts(), 0, "an ORIGINAL_DST cluster cannot retry");
+        dst["retry"] = json!({"attempts": 1});
+        has_error(dst, "retry.attempts", "cluster_header");
+        let mut many = minimal();
+        many["retry"] = json!({"attempts": 5});
+        has_error(many, "retry.attempts", "at most 4");
+        let mut typo = minimal();
+        typo["retry"] = json!({"attempt": 1});
+        assert!(!errors(typo).is_empty(), "unknown fields are refused");
+    }
+
+    #[test]
     fn generate_serves_the_only_model_or_the_one_marked_among_several() {
         assert_eq!(from_value(minimal()).unwrap().generate_model(), Some("m"));
         let mut two = minimal();

@@ -29,13 +29,38 @@ pub struct RouterConfig {
     pub affinity_sweep_ms: u64,
     #[serde(default)]
     pub debug: DebugConfig,
+    /// Retry on another engine (spec §8).
+    #[serde(default)]
+    pub retry: RetryConfig,
     /// The precise prefix index (spec §7); absent = byte estimate and the in-proxy tree.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_index: Option<PrefixIndexConfig>,
     pub models: BTreeMap<String, ModelConfig>,
 }
 
+/// The most retries a request may get: each is one more engine the pick names in advance.
+pub const MAX_RETRY_ATTEMPTS: u32 = 4;
+
+/// Retry on another engine (spec §8): a request whose engine refuses the connection or resets
+/// before any response header goes to another engine the same policy chose without the failed one.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Default 1 with `upstream.mode: cluster_header`; retries need it (override-host routing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
+}
+
 impl RouterConfig {
+    /// How many other engines a request may be sent to after a refused connection.
+    pub fn retry_attempts(&self) -> u32 {
+        let default = match self.upstream.mode {
+            UpstreamMode::ClusterHeader => 1,
+            UpstreamMode::OriginalDst => 0,
+        };
+        self.retry.attempts.unwrap_or(default)
+    }
+
     /// The model SGLang's `POST /generate` (which names none) serves: the only one when there is
     /// one, else the one marked `serve_generate` (spec §3).
     pub fn generate_model(&self) -> Option<&str> {

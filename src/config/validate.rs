@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::{
     AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, RouterConfig,
+    UpstreamMode, MAX_RETRY_ATTEMPTS,
 };
 use crate::registry::EngineAddress;
 use crate::registry::Role;
@@ -196,6 +197,17 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     positive(errors, "pd.prefill_timeout_ms", config.pd.prefill_timeout_ms);
     positive(errors, "tokens.bytes_per_token", config.tokens.bytes_per_token);
     positive(errors, "affinity_sweep_ms", config.affinity_sweep_ms);
+    if let Some(attempts) = config.retry.attempts {
+        if attempts > MAX_RETRY_ATTEMPTS {
+            errors.push(ConfigError::new("retry.attempts", format!("at most {MAX_RETRY_ATTEMPTS}, got {attempts}")));
+        }
+        if attempts > 0 && config.upstream.mode == UpstreamMode::OriginalDst {
+            errors.push(ConfigError::new(
+                "retry.attempts",
+                "retries need `upstream.mode: cluster_header` (an ORIGINAL_DST cluster sends a retry to the same host); set 0",
+            ));
+        }
+    }
 }
 
 fn validate_models(config: &RouterConfig, workers: &HashMap<&str, (&str, Role)>, errors: &mut Vec<ConfigError>) {

@@ -75,7 +75,7 @@ impl AppContext {
             log::info!("worker {} is draining: it takes no new request, and completes those in flight", w.id);
         }
         let registry = EngineRegistry::new(workers, Arc::clone(&availability) as Arc<dyn Availability>);
-        let upstream = UpstreamHeader::new(&config.upstream);
+        let upstream = UpstreamHeader::new(&config.upstream, config.retry_attempts());
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);
         Self {

@@ -1,8 +1,14 @@
 //! Request headers a client may never set (spec §3).
 
-/// Headers the filter sets itself, and every header that selects an upstream.
-const ROUTING_HEADERS: [&str; 6] = [
+use crate::wiring::upstream::{ENDPOINT_HEADER, MAX_RETRIES_HEADER, RETRY_ON_HEADER};
+
+/// Headers the filter sets itself, every header that selects an upstream, and Envoy's retry
+/// headers (a client must not send a request to another engine, nor retry after headers).
+const ROUTING_HEADERS: [&str; 9] = [
     "x-sgl-cluster",
+    ENDPOINT_HEADER,
+    MAX_RETRIES_HEADER,
+    RETRY_ON_HEADER,
     "x-gateway-destination-endpoint",
     "x-sgl-bucket",
     "x-sgl-worker",

@@ -124,7 +124,7 @@ struct Routed {
     /// PD: the prefill callout's token and its engine's in-flight slot until it answers.
     prefill: Option<(u32, Option<InflightGuard>)>,
     /// The upstream (plain or decode) engine's slot, for the life of the stream.
-    _upstream: InflightGuard,
+    upstream: InflightGuard,
     /// The filter answered the client itself (a failed prefill): the response is not the engine's.
     answered: bool,
     /// Routed notices awaiting the indexer's answer: (token, replica), for its counters.
@@ -405,8 +405,9 @@ impl RequestLife {
     }
 
     fn apply(&mut self, app: &AppContext, held: Held, mut decision: Decision, out: &mut Actions) {
-        let (name, value) = mem::take(&mut decision.upstream_header);
-        out.push(Action::SetRequestHeader(name, value));
+        for (name, value) in mem::take(&mut decision.upstream_headers) {
+            out.push(Action::SetRequestHeader(name, value));
+        }
         out.push(Action::ClearRouteCache);
         // The headers are still held, so a rewritten body keeps a length: dropping it would send
         // every request chunked.
@@ -447,7 +448,7 @@ impl RequestLife {
         self.state = State::Routed(Box::new(Routed {
             exchange,
             prefill,
-            _upstream: guard,
+            upstream: guard,
             answered: false,
             notices: Vec::new(),
             complete: false,
@@ -457,12 +458,14 @@ impl RequestLife {
     }
 
     /// The upstream's response headers (`status` as it answered; `end_of_stream` when there is
-    /// no body).
+    /// no body). `upstream_host` reads the `ip:port` Envoy sent the request to; it is asked only
+    /// when Envoy may have retried it elsewhere.
     pub fn on_response_headers(
         &mut self,
         app: &AppContext,
         status: Option<u16>,
         end_of_stream: bool,
+        upstream_host: &mut dyn FnMut() -> Option<String>,
         out: &mut Actions,
     ) {
         let State::Routed(routed) = &mut self.state else { return out.push(Action::Proceed) };
@@ -470,6 +473,15 @@ impl RequestLife {
             return out.push(Action::Proceed);
         }
         routed.complete = end_of_stream;
+        if !routed.exchange.decision().fallbacks.is_empty() {
+            if let Some((engine, effects)) = upstream_host().and_then(|host| routed.exchange.retried(&host)) {
+                app.carry_out(effects);
+                // The slot moves to the engine that has the request.
+                let decision = routed.exchange.decision();
+                let prefill_tokens = if decision.pd.is_some() { 0 } else { decision.prefill_tokens };
+                routed.upstream = app.on_dispatch(&engine.id, prefill_tokens);
+            }
+        }
         if let Some(vm) = &self.vm_header {
             out.push(Action::SetResponseHeader("x-sgl-vm", vm.clone()));
         }
@@ -535,7 +547,11 @@ mod tests {
     use crate::wiring::factory::filter_handles;
     use serde_json::{json, Value};
 
-    fn app(config: Value) -> AppContext {
+    /// Retries off unless the test turns them on: the other tests read the engine's own cluster.
+    fn app(mut config: Value) -> AppContext {
+        if config.get("retry").is_none() {
+            config["retry"] = json!({"attempts": 0});
+        }
         let config = parse_and_validate(&config.to_string()).unwrap();
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
         let (handles, _) = filter_handles(&config, host, 1);
@@ -649,7 +665,7 @@ mod tests {
         assert_eq!(inflight(&app, "A"), 1);
         life.on_request_body(&app, CHAT.len(), true, &mut |_| unreachable!(), &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "routed: the body passes");
-        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         assert_eq!(
             visible(&mut out),
             [
@@ -676,7 +692,7 @@ mod tests {
         life.on_end(&app, &mut out);
         out.clear();
         life.on_request_body(&app, 20, true, &mut |_| unreachable!("ended: never read"), &mut out);
-        life.on_response_headers(&app, None, false, &mut out);
+        life.on_response_headers(&app, None, false, &mut || None, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed, Action::Proceed]);
         assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (0, 0));
     }
@@ -726,7 +742,7 @@ mod tests {
         life.on_request_headers(&app, headers("GET", "/health"), true, &mut out);
         assert_eq!(visible(&mut out)[1..], [Action::ClearRouteCache, Action::Proceed]);
         life.on_request_body(&app, 3, true, &mut |_| unreachable!(), &mut out);
-        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed, Action::Proceed], "not ours: untouched");
     }
 
@@ -737,7 +753,7 @@ mod tests {
         assert_eq!(reply_status(&actions), Some(400));
         let mut out = Vec::new();
         life.on_request_body(&app, 9, true, &mut |_| unreachable!(), &mut out);
-        life.on_response_headers(&app, Some(400), false, &mut out);
+        life.on_response_headers(&app, Some(400), false, &mut || None, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "the filter's own reply passes untouched");
         let mut life = RequestLife::default();
         life.on_request_headers(&app, headers("POST", "/v1/chat/completions"), false, &mut out);
@@ -962,7 +978,7 @@ mod tests {
         life.on_dispatched(&app, Ok(5), &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed]);
         assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (1, 1));
-        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         let actions = visible(&mut out);
         assert!(actions.contains(&Action::SetResponseHeader("x-sgl-prefill-worker", "P".into())));
         assert!(!actions.contains(&Action::Proceed), "held until the prefill answered");
@@ -986,11 +1002,11 @@ mod tests {
 
         let (mut life, _) = pd_send(&app);
         life.on_dispatched(&app, Ok(9), &mut out);
-        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         out.clear();
         life.on_callout_answer(&app, 9, Some(500), &mut || unreachable!(), &mut out);
         assert_eq!(reply_status(&visible(&mut out)), Some(502));
-        life.on_response_headers(&app, Some(502), false, &mut out);
+        life.on_response_headers(&app, Some(502), false, &mut || None, &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "the filter's reply is not the engine's");
         life.on_end(&app, &mut out);
         assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0));
@@ -1024,6 +1040,56 @@ mod tests {
         assert!(visible(&mut out).is_empty());
     }
 
+    /// With retries the request goes to the engines cluster naming its engine and the fallback
+    /// the same policy chose; when Envoy answers from the fallback, it has the request's slot,
+    /// names it to the client, and the retry is counted.
+    #[test]
+    fn a_request_names_its_fallback_and_moves_to_it_when_envoy_retried() {
+        let app = app(json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain"), engine("C", 3, "plain")],
+            "retry": {"attempts": 1},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]}},
+        }));
+        let (mut life, actions) = send(&app, "/v1/chat/completions", CHAT);
+        let headers: Vec<(&str, &str)> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::SetRequestHeader(k, v) if k != "content-length" => Some((k.as_str(), v.as_str())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            headers,
+            [
+                ("x-sgl-cluster", "sgl_engines"),
+                ("x-sgl-endpoint", "10.0.0.1:1,10.0.0.1:2"),
+                ("x-envoy-max-retries", "1")
+            ],
+            "A, then the next in the rotation"
+        );
+        assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (1, 0));
+        let mut out = Vec::new();
+        life.on_response_headers(&app, Some(200), false, &mut || Some("10.0.0.1:2".into()), &mut out);
+        let mut counted: Vec<String> = Vec::new();
+        for a in &out {
+            if let Action::Count(bumps) = a {
+                counted.extend(bumps.keys().map(Counter::name));
+            }
+        }
+        counted.extend(app.handles().counters.take(0).into_keys().map(|c| c.name()));
+        assert!(counted.contains(&"sgl_router_retries_total.stage.plain".to_string()), "{counted:?}");
+        assert!(visible(&mut out).contains(&Action::SetResponseHeader("x-sgl-worker", "B".into())));
+        assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (0, 1), "the slot moved with the request");
+        life.on_end(&app, &mut out);
+        let aborted: Vec<String> = aborts(&mut out).into_iter().map(|(cluster, _)| cluster).collect();
+        assert_eq!(aborted, ["sgl_B"], "the abort goes where the request is");
+        let (_, second) = send(&app, "/v1/chat/completions", CHAT);
+        assert!(
+            second.contains(&Action::SetRequestHeader("x-sgl-endpoint".into(), "10.0.0.1:2,10.0.0.1:3".into())),
+            "the rotation went on from A, not from the fallback: {second:?}"
+        );
+    }
+
     /// (cluster, rid) of each abort among `out`.
     fn aborts(out: &mut Actions) -> Vec<(String, String)> {
         visible(out)
@@ -1048,14 +1114,14 @@ mod tests {
         let (mut life, actions) = send(&app, "/v1/chat/completions", body);
         assert!(body_of(&actions).is_none(), "the client's own rid: the body goes as it came");
         let mut out = Vec::new();
-        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         life.on_response_body(false, &mut out);
         life.on_response_body(true, &mut out);
         life.on_end(&app, &mut out);
         assert!(aborts(&mut out).is_empty(), "complete");
 
         let (mut life, _) = send(&app, "/v1/chat/completions", body);
-        life.on_response_headers(&app, Some(200), false, &mut out);
+        life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         life.on_response_body(false, &mut out);
         life.on_end(&app, &mut out);
         let sent = aborts(&mut out);
@@ -1066,7 +1132,7 @@ mod tests {
         let (mut life, _) = pd_send(&pd);
         life.on_dispatched(&pd, Ok(4), &mut out);
         life.on_callout_answer(&pd, 4, Some(200), &mut || unreachable!(), &mut out);
-        life.on_response_headers(&pd, Some(200), false, &mut out);
+        life.on_response_headers(&pd, Some(200), false, &mut || None, &mut out);
         life.on_end(&pd, &mut out);
         let sent = aborts(&mut out);
         assert_eq!(sent.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(), ["sgl_D"], "the prefill was done");

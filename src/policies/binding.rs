@@ -28,6 +28,13 @@ impl Policy for BindingPolicy {
     fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.walk(engines, request)
     }
+
+    /// The fallback policy's choice, admitted; the binding stays where it is (its engine's health
+    /// and breaker move it if it stays down).
+    fn fallback(&self, engines: &[Arc<Engine>], failed: &Engine, request: &PickRequest<'_>) -> Option<Arc<Engine>> {
+        let engine = self.fallback.fallback(engines, failed, request)?;
+        self.gate.check(&engine).is_ok().then_some(engine)
+    }
 }
 
 impl BindingPolicy {

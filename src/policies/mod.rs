@@ -174,6 +174,15 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// loop what to do next: `NoCandidates`, `NoAdmissibleEngine` and `AdmissionRejected` advance to
     /// the next bucket; the others stop routing.
     fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError>;
+
+    /// Where the request goes if `failed`, which this policy picked, refuses it (spec §8, retry):
+    /// this policy's choice among `engines` (the candidates without `failed`), admitted, and
+    /// leaving no trace a pick would (no rotation step, no binding). `None`: no admitted engine.
+    /// Policies whose pick changes nothing but counters use their pick.
+    fn fallback(&self, engines: &[Arc<Engine>], failed: &Engine, request: &PickRequest<'_>) -> Option<Arc<Engine>> {
+        let _ = failed;
+        self.pick(engines, request).ok().map(|p| p.engine)
+    }
 }
 
 /// Where policies draw randomness from.

@@ -111,6 +111,13 @@ impl Policy for RoundRobinPolicy {
         let index = self.cursor.next_ticket().checked_rem(engines.len() as u64).unwrap_or(0) as usize;
         self.gate.checked_pick(engines, index, PickReason::Rotation)
     }
+
+    /// The next admitted engine in the rotation after the failed one; the cursor does not move.
+    fn fallback(&self, engines: &[Arc<Engine>], failed: &Engine, _request: &PickRequest<'_>) -> Option<Arc<Engine>> {
+        let next = engines.iter().position(|e| e.id > failed.id).unwrap_or(0);
+        let rotation = engines[next..].iter().chain(&engines[..next]);
+        rotation.into_iter().find(|e| self.gate.check(e).is_ok()).cloned()
+    }
 }
 
 #[cfg(test)]

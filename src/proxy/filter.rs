@@ -146,7 +146,10 @@ impl HttpContext for Filter {
         let _clock = ClockScope::enter();
         let status = self.get_http_response_header(":status").and_then(|s| s.parse().ok());
         let mut actions = self.take_actions();
-        self.life.on_response_headers(&self.app.borrow(), status, end_of_stream, &mut actions);
+        let mut upstream_host = || {
+            hostcalls::get_property(vec!["upstream", "address"]).ok().flatten().and_then(|b| String::from_utf8(b).ok())
+        };
+        self.life.on_response_headers(&self.app.borrow(), status, end_of_stream, &mut upstream_host, &mut actions);
         Self::flow(self.carry_out(actions))
     }
 

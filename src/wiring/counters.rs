@@ -40,6 +40,8 @@ pub enum Counter {
     Indexer(Arc<str>, IndexerEvent),
     /// `sgl_router_aborts_total{stage}`: aborts sent to engines for requests whose client left.
     Abort(Role),
+    /// `sgl_router_retries_total{stage}`: requests Envoy sent on to a fallback engine.
+    Retry(Role),
 }
 
 /// What happened with one indexer replica.
@@ -75,6 +77,7 @@ impl Counter {
             Counter::HealthTableStale => (6, "", ""),
             Counter::Indexer(cluster, event) => (7, cluster, event.as_str()),
             Counter::Abort(stage) => (8, stage.as_str(), ""),
+            Counter::Retry(stage) => (9, stage.as_str(), ""),
         }
     }
 
@@ -106,6 +109,7 @@ impl Counter {
                 }
             }
             Counter::Abort(stage) => format!("sgl_router_aborts_total.stage.{}", stage.as_str()),
+            Counter::Retry(stage) => format!("sgl_router_retries_total.stage.{}", stage.as_str()),
         }
     }
 }

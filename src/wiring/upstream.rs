@@ -4,20 +4,44 @@
 use crate::config::{UpstreamConfig, UpstreamMode};
 use crate::registry::Engine;
 
+/// The cluster of every engine Envoy may retry a request on: it routes by the address the
+/// filter names in [`ENDPOINT_HEADER`] (override-host), then the fallbacks after it (spec §8).
+pub const ENGINES_CLUSTER: &str = "sgl_engines";
+/// The engine's `ip:port`, then each fallback's, comma-separated, as Envoy's override-host
+/// load-balancing policy reads them.
+pub const ENDPOINT_HEADER: &str = "x-sgl-endpoint";
+/// Envoy's per-request retry count: the fallbacks named, so a retry never goes elsewhere.
+pub const MAX_RETRIES_HEADER: &str = "x-envoy-max-retries";
+/// Envoy's per-request retry conditions, which a client must not widen (retry after headers).
+pub const RETRY_ON_HEADER: &str = "x-envoy-retry-on";
+
 /// The header the router filter routes on, and what it carries for an engine.
 #[derive(Debug, Clone)]
 pub struct UpstreamHeader {
     mode: UpstreamMode,
     name: String,
+    /// Fallbacks a request may be retried on (0: no retry).
+    retries: u32,
 }
 
 impl UpstreamHeader {
-    pub fn new(config: &UpstreamConfig) -> Self {
-        Self { mode: config.mode, name: config.header_name().to_string() }
+    pub fn new(config: &UpstreamConfig, retries: u32) -> Self {
+        let retries = if config.mode == UpstreamMode::ClusterHeader { retries } else { 0 };
+        Self { mode: config.mode, name: config.header_name().to_string(), retries }
     }
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// How many fallbacks a request names.
+    pub fn retries(&self) -> u32 {
+        self.retries
+    }
+
+    /// Whether `worker` may be named as a request's engine or fallback in the engines cluster.
+    pub fn retriable(&self, worker: &Engine) -> bool {
+        self.retries > 0 && worker.in_engines_cluster()
     }
 
     /// `(header, value)`: the engine's cluster, or its `host:port` for an ORIGINAL_DST cluster.
@@ -27,6 +51,29 @@ impl UpstreamHeader {
             UpstreamMode::OriginalDst => worker.address.host_port(),
         };
         (self.name.clone(), value)
+    }
+
+    /// Every header that sends a request to `worker`, and on a refused connection to each of
+    /// `fallbacks` in turn. With retries on, a request Envoy cannot retry elsewhere is told so.
+    pub fn for_request(&self, worker: &Engine, fallbacks: &[std::sync::Arc<Engine>]) -> Vec<(String, String)> {
+        if self.retries == 0 {
+            return vec![self.for_worker(worker)];
+        }
+        let Some(primary) = worker.address.socket().filter(|_| self.retriable(worker)) else {
+            return vec![self.for_worker(worker), (MAX_RETRIES_HEADER.to_string(), "0".to_string())];
+        };
+        let mut endpoints = primary;
+        let mut named = 0;
+        for socket in fallbacks.iter().filter_map(|f| f.address.socket()) {
+            endpoints.push(',');
+            endpoints.push_str(&socket);
+            named += 1;
+        }
+        vec![
+            (self.name.clone(), ENGINES_CLUSTER.to_string()),
+            (ENDPOINT_HEADER.to_string(), endpoints),
+            (MAX_RETRIES_HEADER.to_string(), named.to_string()),
+        ]
     }
 }
 
@@ -87,11 +134,33 @@ mod tests {
     }
 
     #[test]
+    fn with_retries_the_engines_cluster_gets_the_engine_then_its_fallbacks() {
+        let a = crate::testing::worker("A");
+        let mut b = (*crate::testing::worker("B")).clone();
+        b.address.port = 2;
+        let retrying = UpstreamHeader::new(&UpstreamConfig::default(), 2);
+        let headers = retrying.for_request(&a, &[std::sync::Arc::new(b)]);
+        let expected =
+            [("x-sgl-cluster", "sgl_engines"), (ENDPOINT_HEADER, "127.0.0.1:1,127.0.0.1:2"), (MAX_RETRIES_HEADER, "1")];
+        assert_eq!(headers, expected.map(|(k, v)| (k.to_string(), v.to_string())), "one fallback named: one retry");
+        let mut named = (*crate::testing::worker("N")).clone();
+        named.address.host = "engine-n.internal".into();
+        assert_eq!(
+            retrying.for_request(&named, &[]),
+            [("x-sgl-cluster".to_string(), "sgl_N".to_string()), (MAX_RETRIES_HEADER.to_string(), "0".to_string())],
+            "a host Envoy knows by name only keeps its own cluster, and is not retried"
+        );
+        let plain = UpstreamHeader::new(&UpstreamConfig::default(), 0);
+        assert_eq!(plain.for_request(&a, &[]), [plain.for_worker(&a)]);
+    }
+
+    #[test]
     fn the_header_carries_the_cluster_or_the_address() {
         let w = crate::testing::worker("A");
-        let cluster = UpstreamHeader::new(&UpstreamConfig::default());
+        let cluster = UpstreamHeader::new(&UpstreamConfig::default(), 0);
         assert_eq!(cluster.for_worker(&w), ("x-sgl-cluster".to_string(), "sgl_A".to_string()));
-        let dst = UpstreamHeader::new(&UpstreamConfig { mode: UpstreamMode::OriginalDst, header: None });
+        let dst = UpstreamHeader::new(&UpstreamConfig { mode: UpstreamMode::OriginalDst, header: None }, 1);
+        assert_eq!(dst.retries(), 0, "an ORIGINAL_DST cluster cannot retry elsewhere");
         assert_eq!(dst.for_worker(&w), ("x-gateway-destination-endpoint".to_string(), "127.0.0.1:1".to_string()));
     }
 }

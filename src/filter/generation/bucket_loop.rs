@@ -5,21 +5,33 @@
 
 use std::sync::Arc;
 
-use crate::buckets::{BucketPick, BucketRequest, BucketResolver, ResolveError};
+use crate::buckets::{Bucket, BucketPick, BucketRequest, BucketResolver, ResolveError};
 use crate::filter::{ErrorKind, RouteError};
 use crate::policies::{PickError, Rejection};
 use crate::registry::LiveEngines;
 use crate::registry::Role;
 
 /// The complete selection and the attempts that failed before it (for stats).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Selection {
     pub bucket_id: Arc<str>,
+    /// The bucket that supplied the pick, whose groups name the engines to retry on.
+    pub bucket: Arc<Bucket>,
     pub pick: BucketPick,
     pub skipped: Vec<SkippedBucket>,
     /// The input length the buckets were resolved with (exact when the indexer counted it).
     pub input_tokens: u64,
 }
+
+/// Two selections are the same when the same bucket (by id) supplied the same pick.
+impl PartialEq for Selection {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.bucket_id, &self.pick, &self.skipped, self.input_tokens)
+            == (&other.bucket_id, &other.pick, &other.skipped, other.input_tokens)
+    }
+}
+
+impl Eq for Selection {}
 
 /// A bucket that could not supply its selection and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,6 +126,7 @@ pub fn select(
             Ok(pick) => {
                 return Ok(Selection {
                     bucket_id: bucket.id.clone(),
+                    bucket: Arc::clone(&bucket),
                     pick,
                     skipped,
                     input_tokens: request.input_tokens,

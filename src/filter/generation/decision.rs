@@ -39,6 +39,13 @@ impl Target {
         }
     }
 
+    /// Envoy sent the request to `engine` instead (a retry).
+    pub fn set_upstream(&mut self, engine: Arc<Engine>) {
+        match self {
+            Target::Plain(w) | Target::Pd { decode: w, .. } => *w = engine,
+        }
+    }
+
     /// The engine that does the prefill work: the plain engine, or the prefill engine.
     pub fn prefill_work(&self) -> &Arc<Engine> {
         match self {
@@ -52,8 +59,11 @@ impl Target {
 pub struct Decision {
     pub bucket_id: Arc<str>,
     pub target: Target,
-    /// The upstream header and its value (cluster name or `host:port`, by `upstream.mode`).
-    pub upstream_header: (String, String),
+    /// The headers that route the request: the upstream header (cluster name or `host:port`, by
+    /// `upstream.mode`), and with retries the engine's and its fallbacks' addresses.
+    pub upstream_headers: Vec<(String, String)>,
+    /// The engines Envoy sends the request to, in turn, if the upstream engine refuses it.
+    pub fallbacks: Vec<Arc<Engine>>,
     /// PD only: the rewritten body and the prefill callout.
     pub pd: Option<PdDispatch>,
     /// Plain only: the body rewritten for the engine (its id written, its data-parallel rank
@@ -229,6 +239,15 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         (Some(client), Some(handle)) => client.routed_notices(handle, &target.prefill_work().id, rank),
         _ => Vec::new(),
     };
+    // Retries go to engines the same group's policy chose, named now: Envoy resends on its own.
+    let upstream = target.upstream();
+    let fallbacks = if wiring.upstream.retriable(upstream) {
+        let eligible = |e: &Engine| wiring.upstream.retriable(e);
+        let n = wiring.upstream.retries() as usize;
+        selection.bucket.fallbacks(wiring.live, &ticket.request, upstream, n, &eligible)
+    } else {
+        Vec::new()
+    };
     let cached_tokens = match &selection.pick {
         BucketPick::Plain(p) | BucketPick::Pd { prefill: p, .. } => p.cached_tokens,
     };
@@ -237,7 +256,8 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         result: Ok(Decision {
             prefill_tokens: selection.input_tokens.saturating_sub(cached_tokens),
             bucket_id: selection.bucket_id,
-            upstream_header: wiring.upstream.for_worker(target.upstream()),
+            upstream_headers: wiring.upstream.for_request(target.upstream(), &fallbacks),
+            fallbacks,
             target,
             pd,
             body,

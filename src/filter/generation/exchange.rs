@@ -3,9 +3,12 @@
 //! done (the prefix is recorded only then, spec §3), and the request's one outcome. The filter
 //! reports each event and carries out the [`Effects`] it gets back.
 
+use std::sync::Arc;
+
 use super::pd::{Flow, PdExchange, PrefillDone};
 use super::Decision;
 use crate::host::CalloutRequest;
+use crate::registry::{Engine, Role};
 use crate::state::prefix::PrefixEvent;
 use crate::wiring::counters::Counter;
 use crate::wiring::upstream::UpstreamAnswer;
@@ -67,6 +70,29 @@ impl Exchange {
         if std::mem::take(&mut self.outcome_pending) {
             effects.counters.push(Counter::Outcome(name));
         }
+    }
+
+    /// The engine that answered, when Envoy retried the request on one of the decision's
+    /// fallbacks (`answered_by` is the upstream host's `ip:port`): it becomes the upstream engine,
+    /// and each engine tried before it refused the request, which its breaker hears.
+    pub fn retried(&mut self, answered_by: &str) -> Option<(Arc<Engine>, Effects)> {
+        let position =
+            self.decision.fallbacks.iter().position(|f| f.address.socket().as_deref() == Some(answered_by))?;
+        let fallback = Arc::clone(&self.decision.fallbacks[position]);
+        let mut effects = Effects::default();
+        let refused: Vec<Arc<Engine>> = std::iter::once(Arc::clone(self.decision.target.upstream()))
+            .chain(self.decision.fallbacks[..position].iter().cloned())
+            .collect();
+        let stage = if self.pd.is_some() { Role::Decode } else { Role::Plain };
+        let first = refused.first().map(|e| e.id.clone()).unwrap_or_default();
+        self.answered(&first, UpstreamAnswer::Failed, &mut effects);
+        for engine in refused.iter().skip(1) {
+            effects.results.push((engine.id.clone(), UpstreamAnswer::Failed));
+        }
+        effects.counters.extend(refused.iter().map(|_| Counter::Retry(stage)));
+        self.decision.target.set_upstream(Arc::clone(&fallback));
+        self.unanswered.push(fallback.id.clone());
+        Some((fallback, effects))
     }
 
     /// The upstream (plain or decode) engine's response headers arrived.
@@ -150,7 +176,8 @@ mod tests {
         let mut x = Exchange::new(Decision {
             bucket_id: "b".into(),
             target: Target::Plain(a),
-            upstream_header: ("x-sgl-cluster".into(), "sgl_A".into()),
+            upstream_headers: vec![("x-sgl-cluster".into(), "sgl_A".into())],
+            fallbacks: vec![],
             pd: None,
             body: None,
             rid: None,
@@ -167,7 +194,8 @@ mod tests {
         let mut x = Exchange::new(Decision {
             bucket_id: "b".into(),
             target: Target::Pd { prefill: Arc::clone(&p), decode: d },
-            upstream_header: ("x-sgl-cluster".into(), "sgl_D".into()),
+            upstream_headers: vec![("x-sgl-cluster".into(), "sgl_D".into())],
+            fallbacks: vec![],
             pd: Some(PdDispatch {
                 prefill: p,
                 path: "/generate",

@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use sgl_envoy_router::config::RouterConfig;
 
 use crate::render::{bootstrap_extension, clusters, http_filter, listener, socket, stats_tags, RenderOptions};
+use sgl_envoy_router::wiring::upstream::ENGINES_CLUSTER;
 
 pub const BOOTSTRAP: &str = "envoy.yaml";
 pub const LISTENERS: &str = "listeners.yaml";
@@ -230,17 +231,43 @@ pub fn update(config: &RouterConfig, dir: &Path, settle: Duration) -> Result<Upd
     };
     let kept_old =
         old.iter().filter(|c| c["name"].as_str().is_some_and(|n| report.clusters_removed.iter().any(|r| r == n)));
-    let union: Vec<Value> = files.clusters.iter().cloned().chain(kept_old.cloned()).collect();
+    // Until the filter names only the new engines, the old ones stay reachable: their clusters,
+    // and their hosts in the engines cluster.
+    let union: Vec<Value> = files
+        .clusters
+        .iter()
+        .map(|c| match old.iter().find(|o| o["name"] == c["name"] && c["name"] == ENGINES_CLUSTER) {
+            Some(previous) => with_hosts_of(c, previous),
+            None => c.clone(),
+        })
+        .chain(kept_old.cloned())
+        .collect();
+    let shrinks = union != files.clusters;
     if write_clusters(&dir, &union)? && !report.clusters_added.is_empty() {
         wait_for_clusters(options.admin_port, &report.clusters_added);
     }
     report.filter = replace(&dir, FILTER, &yaml(&files.filter, "The router filter's configuration (ECDS)")?)?;
     report.listener = replace(&dir, LISTENERS, &yaml(&files.listeners, "The listener")?)?;
-    if !report.clusters_removed.is_empty() {
+    if shrinks {
         std::thread::sleep(settle);
         write_clusters(&dir, &files.clusters)?;
     }
     Ok(report)
+}
+
+/// `cluster` with the hosts `previous` had and it lacks added.
+fn with_hosts_of(cluster: &Value, previous: &Value) -> Value {
+    let pointer = "/load_assignment/endpoints/0/lb_endpoints";
+    let mut merged = cluster.clone();
+    let old_hosts = previous.pointer(pointer).and_then(Value::as_array).cloned().unwrap_or_default();
+    if let Some(hosts) = merged.pointer_mut(pointer).and_then(Value::as_array_mut) {
+        for host in old_hosts {
+            if !hosts.contains(&host) {
+                hosts.push(host);
+            }
+        }
+    }
+    merged
 }
 
 /// Waits until Envoy's admin lists every cluster of `names` as active, or [`CLUSTER_WAIT`]
@@ -299,7 +326,7 @@ mod tests {
         assert!(filter.contains("\\\"id\\\":\\\"B\\\"") || filter.contains(r#""id":"B""#), "{filter}");
         let listeners = fs::read_to_string(dir.join(LISTENERS)).unwrap();
         assert!(listeners.contains("config_discovery") && !listeners.contains("\"workers\""));
-        assert_eq!(names_in(&dir), ["sgl_A", "sgl_B"]);
+        assert_eq!(names_in(&dir), ["sgl_A", "sgl_B", "sgl_engines"]);
 
         let report = update(&config(&["A", "C"]), &dir, Duration::ZERO).unwrap();
         assert_eq!(
@@ -311,7 +338,15 @@ mod tests {
                 listener: false
             }
         );
-        assert_eq!(names_in(&dir), ["sgl_A", "sgl_C"]);
+        assert_eq!(names_in(&dir), ["sgl_A", "sgl_C", "sgl_engines"]);
+        let engines = current_clusters(&dir).unwrap().into_iter().find(|c| c["name"] == ENGINES_CLUSTER).unwrap();
+        let ports: Vec<u64> = engines["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["endpoint"]["address"]["socket_address"]["port_value"].as_u64())
+            .collect();
+        assert_eq!(ports, [30001, 30002], "A and C (C took B's port), B's host gone after the settle");
         let again = update(&config(&["A", "C"]), &dir, Duration::ZERO).unwrap();
         assert_eq!(again, Updated::default(), "nothing changed, nothing written");
         let _ = fs::remove_dir_all(&dir);

@@ -6,6 +6,7 @@ use sgl_envoy_router::filter::generation::Endpoint;
 use sgl_envoy_router::filter::{ErrorKind, RouteError};
 use sgl_envoy_router::registry::EngineAddress;
 use sgl_envoy_router::wiring::factory;
+use sgl_envoy_router::wiring::upstream::{ENDPOINT_HEADER, ENGINES_CLUSTER};
 
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
 const VM_ID: &str = "sgl_router";
@@ -91,6 +92,11 @@ fn generation_routes(config: &RouterConfig) -> Vec<Value> {
     };
     // 0s = no route timeout: generations can run for minutes (Envoy's default would cut at 15 s).
     route["timeout"] = json!(duration(config.timeouts.request_ms));
+    // A refused connection or a reset before any response header goes to the next engine the
+    // filter named (spec §8); the filter sets how many it named per request.
+    if has_engines_cluster(config) {
+        route["retry_policy"] = json!({"retry_on": "connect-failure,reset", "num_retries": config.retry_attempts()});
+    }
     Endpoint::ALL.iter().map(|e| json!({"match": {"path": e.path()}, "route": route.clone()})).collect()
 }
 
@@ -266,9 +272,57 @@ fn static_cluster(name: &str, address: &EngineAddress) -> Value {
     })
 }
 
+/// Whether requests are routed through [`ENGINES_CLUSTER`], so Envoy can retry them elsewhere.
+fn has_engines_cluster(config: &RouterConfig) -> bool {
+    config.upstream.mode == UpstreamMode::ClusterHeader
+        && config.retry_attempts() > 0
+        && factory::registry(config).all().iter().any(|w| w.in_engines_cluster())
+}
+
+/// Every plain and decode engine with an IP address, routed by the address the filter names
+/// (Envoy's override-host policy reads the engine, then its fallbacks, from one header).
+fn engines_cluster(config: &RouterConfig) -> Value {
+    let registry = factory::registry(config);
+    let mut sockets: Vec<String> =
+        registry.all().iter().filter(|w| w.in_engines_cluster()).filter_map(|w| w.address.socket()).collect();
+    sockets.sort();
+    sockets.dedup();
+    let endpoints: Vec<Value> = sockets
+        .iter()
+        .filter_map(|s| s.parse::<std::net::SocketAddr>().ok())
+        .map(|a| json!({"endpoint": {"address": socket(&a.ip().to_string(), a.port())}}))
+        .collect();
+    let mut breakers = circuit_breakers();
+    // Every request of an engine that just died is retried at once.
+    breakers["thresholds"][0]["max_retries"] = json!(100000);
+    json!({
+        "name": ENGINES_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "5s",
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "circuit_breakers": breakers,
+        "load_assignment": {"cluster_name": ENGINES_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": ENDPOINT_HEADER}],
+                // Never reached while the filter names no more fallbacks than Envoy retries.
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+                }}]},
+            },
+        }}]},
+    })
+}
+
 pub(crate) fn clusters(config: &RouterConfig) -> Vec<Value> {
     let registry = factory::registry(config);
     let mut clusters: Vec<Value> = registry.all().iter().map(|w| static_cluster(&w.cluster, &w.address)).collect();
+    if has_engines_cluster(config) {
+        clusters.push(engines_cluster(config));
+    }
     // The indexers the filter asks once per request (spec §7): a cluster each, so the filter
     // chooses the replica and fails over itself within its budget. A replica that is down must
     // fail fast: its connect timeout is the filter's whole wait.
