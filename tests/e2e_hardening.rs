@@ -51,7 +51,9 @@ fn envoys_own_replies_about_a_dead_engine_are_openai_json_naming_it() {
     let r = d.chat(&chat_body("is anyone there?", 4, false));
     assert_openai_error(&r, 503, "upstream_unavailable");
     let message = r.json()["error"]["message"].as_str().unwrap_or_default().to_string();
-    assert!(message.contains("sgl_A"), "the message names the engine's cluster: {message}");
+    let host = format!("127.0.0.1:{}", d.sims[0].port);
+    assert!(message.contains(&host), "the message names the engine's address: {message}");
+    assert_eq!(r.header("x-sgl-worker"), Some("A"), "and the response its id");
 }
 
 #[test]
@@ -66,7 +68,8 @@ fn a_hung_engine_gets_a_504_stream_idle_timeout_as_openai_json() {
     let r = d.chat(&chat_body("hello?", 4, false));
     assert!(started.elapsed() < Duration::from_secs(10));
     assert_openai_error(&r, 504, "upstream_timeout");
-    assert!(r.json()["error"]["message"].as_str().unwrap_or_default().contains("sgl_A"), "{}", r.body);
+    let host = format!("127.0.0.1:{}", d.sims[0].port);
+    assert!(r.json()["error"]["message"].as_str().unwrap_or_default().contains(&host), "{}", r.body);
 }
 
 #[test]

@@ -60,12 +60,15 @@ fn non_streamed_response_is_the_engines_json() {
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["sim_engine"], r.engine());
     assert_eq!(v["choices"][0]["message"]["content"], "tok0 tok1 tok2 ");
-    // The body the filter read goes on as it came, with its length (not re-sent chunked).
-    let sent = chat_body("hello", 3, false).to_string().len();
+    // The body the filter read goes on with the request's id (Envoy's) added and its length (not
+    // re-sent chunked).
     let record = d.sim(&r.engine()).state()["recent"].as_array().and_then(|r| r.last().cloned()).unwrap();
+    let header = |name: &str| record["headers"].as_array().unwrap().iter().find(|h| h[0] == name).map(|h| h[1].clone());
+    assert_eq!(record["rid"], header("x-request-id").unwrap(), "{record}");
+    let rid = record["rid"].as_str().unwrap_or_default();
+    let sent = chat_body("hello", 3, false).to_string().len() + format!(r#""rid":"{rid}","#).len();
     assert_eq!(record["body_bytes"], sent, "{record}");
-    let length = record["headers"].as_array().unwrap().iter().find(|h| h[0] == "content-length").map(|h| h[1].clone());
-    assert_eq!(length, Some(Value::String(sent.to_string())), "{record}");
+    assert_eq!(header("content-length"), Some(Value::String(sent.to_string())), "{record}");
 }
 
 #[test]
@@ -153,7 +156,11 @@ fn client_routing_headers_change_nothing_on_the_chat_path() {
                 .unwrap_or_default(),
             )
             .unwrap_or_default();
-            assert_eq!(headers.get("x-sgl-cluster").map(String::as_str), Some(format!("sgl_{}", sim.spec.id).as_str()));
+            // The engines cluster, led by this engine's own address (retries name the next after it).
+            assert_eq!(headers.get("x-sgl-cluster").map(String::as_str), Some("sgl_engines"));
+            let own = format!("127.0.0.1:{}", sim.port);
+            let endpoint = headers.get("x-sgl-endpoint").cloned().unwrap_or_default();
+            assert!(endpoint.starts_with(&own), "{endpoint} names {own} first");
             assert!(!headers.contains_key("x-gateway-destination-endpoint"), "client header reached the engine");
             assert!(!headers.contains_key("x-sgl-worker"), "client header reached the engine");
         }
