@@ -65,6 +65,9 @@ pub struct ServiceCore {
     affinity: AffinityStore,
     /// Counts the worker lists followed; see [`PollRequest::generation`].
     generation: u32,
+    /// Removed workers whose per-worker gauges go to 0 at the next export: Envoy keeps a gauge's
+    /// last value, and a removed worker's would read as requests in flight forever.
+    retired: Vec<String>,
 }
 
 impl ServiceCore {
@@ -89,6 +92,7 @@ impl ServiceCore {
             last_sweep_ms: 0,
             last_affinity_sweep_ms: 0,
             generation: 0,
+            retired: Vec::new(),
         }
     }
 
@@ -114,6 +118,8 @@ impl ServiceCore {
         if let Err(e) = self.prefixes.append(self.host.as_ref(), cleared) {
             log::warn!("prefix entries of removed workers not dropped: {e}");
         }
+        self.retired.retain(|id| !workers.iter().any(|w| &w.id == id));
+        self.retired.extend(removed.iter().cloned());
         self.workers = workers;
         self.config = config;
         self.generation = self.generation.wrapping_add(1);
@@ -307,10 +313,15 @@ impl ServiceCore {
         }
     }
 
-    fn gauges(&self, now: u64) -> Vec<(String, u64)> {
+    fn gauges(&mut self, now: u64) -> Vec<(String, u64)> {
         self.inflight.sync_if_due();
         let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
         let mut gauges = Vec::with_capacity(2 * self.workers.len() + 8);
+        for id in std::mem::take(&mut self.retired) {
+            let id = label(&id);
+            gauges.push((format!("sgl_router_inflight.worker.{id}"), 0));
+            gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), 0));
+        }
         let mut fresh = 0;
         for w in &self.workers {
             let id = label(&w.id);
@@ -479,6 +490,10 @@ mod tests {
             plan.polls.iter().find(|p| p.request.cluster == "sgl_B" && matches!(p.kind, PollKind::Health(_))).unwrap();
         core.on_poll_answer(b.kind, b.generation, Some(200), b"", 201);
         assert!(health(&host).unhealthy.is_empty(), "B recovers on a check of the new list");
+        let gauges = core.tick(10 * vm_registry::HEARTBEAT_MS).gauges;
+        assert!(gauges.contains(&("sgl_router_inflight.worker.A".to_string(), 0)), "A's gauge goes to 0: {gauges:?}");
+        let again = core.tick(20 * vm_registry::HEARTBEAT_MS).gauges;
+        assert!(!again.iter().any(|(name, _)| name.ends_with(".worker.A")), "once");
     }
 
     /// Without a configuration of its own the service waits for a filter's, then follows each new
