@@ -75,8 +75,9 @@ fn unfaithful_reason(flag: &str) -> Option<&'static str> {
         "--max-concurrent-requests" | "--queue-size" | "--queue-timeout-secs" | "--rate-limit-tokens-per-second" => {
             "rate limiting belongs to Envoy's local rate limit filter"
         }
-        _ if flag.starts_with("--retry") || flag == "--disable-retries" => {
-            "retries belong to Envoy's route retry policy"
+        _ if flag.starts_with("--retry") => {
+            "the router retries only a refused connection or a reset before response headers, at once, on the engine \
+             the policy names next (retry.attempts, at most 4); it never retries an engine's 5xx"
         }
         _ => return None,
     })
@@ -146,6 +147,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     let mut timeouts = Map::new();
     let mut max_inflight: Option<u64> = None;
     let mut filter_overloaded = false;
+    let mut retries_off = false;
 
     // A refused --decode-policy was still given: no second refusal for the default it replaces.
     let decode_given = parsed.items.iter().any(|(flag, _)| *flag == "--decode-policy");
@@ -229,6 +231,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
                     }
                 }
                 "--disable-circuit-breaker" => breaker = None,
+                "--disable-retries" => retries_off = true,
                 "--host" | "--port" => notes.push(format!(
                     "{flag} {}: the listener is Envoy's; pass it to `render --listen`",
                     values.join(" ")
@@ -323,6 +326,9 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     if !timeouts.is_empty() {
         config["timeouts"] = Value::Object(timeouts);
     }
+    if retries_off {
+        config["retry"] = json!({"attempts": 0});
+    }
     Ok(Translation { config, notes, refused })
 }
 
@@ -360,6 +366,14 @@ mod tests {
         let c = ok("--worker-urls http://a:1 http://b:2 --policy round_robin");
         assert_eq!(c["workers"].as_array().unwrap().len(), 2);
         assert_eq!(c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"], "round_robin");
+    }
+
+    #[test]
+    fn disabled_retries_carry_over_and_sglangs_retry_tuning_is_refused() {
+        let c = ok("--worker-urls http://a:1 --disable-retries");
+        assert_eq!(c["retry"]["attempts"], 0);
+        assert!(ok("--worker-urls http://a:1").get("retry").is_none(), "the default: one retry");
+        refused("--worker-urls http://a:1 --retry-max-retries 3", "--retry-max-retries");
     }
 
     #[test]
