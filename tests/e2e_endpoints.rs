@@ -214,14 +214,16 @@ fn every_metric_the_grafana_dashboard_reads_is_one_envoy_exports() {
     names.sort();
     names.dedup();
     assert!(names.len() >= 10, "{names:?}");
-    // Counted only when their event happens (a rejection, an indexer answer, failover or notice;
-    // `e2e_replicas` sees the indexer's exported).
+    // Counted only when their event happens (a rejection, an indexer answer, failover or notice, a
+    // retry, an abort; `e2e_replicas` and `e2e_live` see those exported).
     let on_events = [
         "sgl_router_admission_rejections_total",
         "sgl_router_prefix_lookups_total",
         "sgl_router_indexer_queries_total",
         "sgl_router_indexer_failovers_total",
         "sgl_router_indexer_notices_total",
+        "sgl_router_retries_total",
+        "sgl_router_aborts_total",
     ];
     for name in names.iter().filter(|n| !on_events.contains(&n.as_str())) {
         assert!(
