@@ -126,6 +126,8 @@ mod tests {
     #[test]
     fn retries_default_to_one_where_envoy_can_retry_and_are_bounded() {
         assert_eq!(from_value(minimal()).unwrap().retry_attempts(), 1);
+        let written = serde_json::to_value(from_value(minimal()).unwrap()).unwrap();
+        assert!(written.get("retry").is_none(), "the default is not written: older builds load it");
         let mut dst = minimal();
         dst["upstream"] = json!({"mode": "original_dst"});
         assert_eq!(from_value(dst.clone()).unwrap().retry_attempts(), 0, "an ORIGINAL_DST cluster cannot retry");

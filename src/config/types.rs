@@ -29,8 +29,9 @@ pub struct RouterConfig {
     pub affinity_sweep_ms: u64,
     #[serde(default)]
     pub debug: DebugConfig,
-    /// Retry on another engine (spec §8).
-    #[serde(default)]
+    /// Retry on another engine (spec §8). Written out only when set, so a configuration rendered
+    /// with the default still loads in a build that predates it.
+    #[serde(default, skip_serializing_if = "RetryConfig::is_default")]
     pub retry: RetryConfig,
     /// The precise prefix index (spec §7); absent = byte estimate and the in-proxy tree.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -49,6 +50,12 @@ pub struct RetryConfig {
     /// Default 1 with `upstream.mode: cluster_header`; retries need it (override-host routing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<u32>,
+}
+
+impl RetryConfig {
+    pub fn is_default(&self) -> bool {
+        self.attempts.is_none()
+    }
 }
 
 impl RouterConfig {

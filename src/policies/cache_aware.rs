@@ -423,6 +423,14 @@ impl Policy for CacheAwarePolicy {
     fn pick(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         self.choose(engines, request)
     }
+
+    /// The policy's load side: where a prompt nobody holds goes. A second walk of the prefix index
+    /// for every request, for an engine that is used only when the first refuses, cost more than
+    /// the whole rest of the filter's selection.
+    fn fallback(&self, engines: &[Arc<Engine>], _failed: &Engine, _request: &PickRequest<'_>) -> Option<Arc<Engine>> {
+        let snapshot = self.gate.load.snapshot();
+        self.load_fallback(engines, &snapshot, PickReason::CacheMiss).ok().map(|p| p.engine)
+    }
 }
 
 #[cfg(test)]
@@ -540,6 +548,21 @@ mod tests {
         let p = policy(&s, Fixed::matches(&[("B", 900), ("C", 200)]), tuned(|_| {}), AdmissionLimits::default());
         let r = pick(&p, &["A", "B", "C"], 1000).unwrap();
         assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::CacheHit));
+    }
+
+    /// A retry's engine is where a prompt nobody holds would go, found without a second lookup.
+    #[test]
+    fn the_fallback_is_the_load_side_without_another_lookup() {
+        let s = State::new();
+        let source = Fixed::matches(&[("B", 900), ("C", 900)]);
+        let p = policy(&s, Arc::clone(&source), tuned(|_| {}), AdmissionLimits::default());
+        let r = pick(&p, &["A", "B", "C"], 1000).unwrap();
+        assert_eq!(r.engine.id, "B");
+        s.inflight.set("C", 5);
+        let rest = workers(&["A", "C"]);
+        let fallback = p.fallback(&rest, &r.engine, &prompt(1000)).unwrap();
+        assert_eq!(fallback.id, "A", "the idle engine, though C holds the prompt");
+        assert_eq!(source.lookups.load(Ordering::SeqCst), 1, "one lookup for both");
     }
 
     #[test]
