@@ -12,7 +12,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::keys;
-use super::shared::{fetch_add, read_u64, update};
+use super::shared::{fetch_add, read_u64, stable_hash, update};
 use crate::host::{Host, HostError};
 use crate::registry::Role;
 
@@ -40,22 +40,12 @@ pub struct Scope<'a> {
 }
 
 impl Scope<'_> {
-    /// 128-bit FNV-1a over the length-prefixed parts: stable across VMs and builds (std's hasher is
-    /// seeded per process), and no choice of key can pose as another scope.
     fn hash(&self) -> u128 {
-        const OFFSET: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
-        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013b;
         let kind = match self.kind {
             BindingKind::Session => "s",
             BindingKind::Sticky => "k",
         };
-        let mut h = OFFSET;
-        for part in [kind, self.model, self.bucket, self.stage.as_str(), self.key] {
-            for b in (part.len() as u64).to_le_bytes().iter().chain(part.as_bytes()) {
-                h = (h ^ u128::from(*b)).wrapping_mul(PRIME);
-            }
-        }
-        h
+        stable_hash([kind, self.model, self.bucket, self.stage.as_str(), self.key])
     }
 
     /// The binding's id in its shard: the hash, so a client's key costs the same few bytes there

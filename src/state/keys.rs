@@ -57,3 +57,8 @@ pub fn prefix_log_slot(slot: u64) -> String {
 
 /// The filter configuration announced last, which the service follows.
 pub const FILTER_CONFIG: &str = "sgl.filter_config";
+
+/// One model's waiting queue (spec §9); models are fixed by the configuration.
+pub fn waiting_queue(model: &str) -> String {
+    format!("sgl.queue.{model}")
+}

@@ -11,3 +11,4 @@ pub mod prefix;
 pub mod schedule;
 pub mod shared;
 pub mod vm_registry;
+pub mod wait_queue;

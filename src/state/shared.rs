@@ -139,6 +139,20 @@ pub fn update<R>(
     Err(HostError::Failed(format!("`{key}` stayed contended for {CAS_RETRIES} cas attempts")))
 }
 
+/// 128-bit FNV-1a over the length-prefixed parts: stable across VMs and builds (std's hasher is
+/// seeded per process), and no choice of parts can pose as another.
+pub fn stable_hash<'a>(parts: impl IntoIterator<Item = &'a str>) -> u128 {
+    const OFFSET: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+    const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013b;
+    let mut h = OFFSET;
+    for part in parts {
+        for b in (part.len() as u64).to_le_bytes().iter().chain(part.as_bytes()) {
+            h = (h ^ u128::from(*b)).wrapping_mul(PRIME);
+        }
+    }
+    h
+}
+
 /// Adds `delta` to a shared counter and returns the value before the addition.
 pub fn fetch_add(host: &dyn Host, key: &str, delta: u64) -> Result<u64, HostError> {
     update(host, key, &0u64.to_le_bytes(), |bytes| {
