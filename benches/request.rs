@@ -213,7 +213,7 @@ fn run(engines: usize, policy: &str, requests: u32) {
     };
     let one = |i: u32, phases: &mut [Phase], counters: &mut usize, handed: &mut usize| {
         let body = &bodies[i as usize % bodies.len()];
-        let mut life = RequestLife::new(None);
+        let mut life = RequestLife::new(None, 1);
         let mut out = Vec::new();
         let meter = Meter::start();
         life.on_request_headers(&app, headers.clone(), false, &mut out);

@@ -142,6 +142,27 @@ mod tests {
     }
 
     #[test]
+    fn a_model_queue_wins_over_the_top_level_one_and_both_are_bounded() {
+        let mut v = minimal();
+        assert!(from_value(v.clone()).unwrap().queue_for("m").is_none(), "no queue unless configured");
+        v["queue"] = json!({"max_requests": 8});
+        let c = from_value(v.clone()).unwrap();
+        let q = c.queue_for("m").unwrap();
+        assert_eq!((q.max_requests, q.max_wait_ms, q.priority_header.as_str()), (8, 5000, "x-sgl-priority"));
+        v["models"]["m"]["queue"] = json!({"max_wait_ms": 100, "tenant_header": "x-team"});
+        let c = from_value(v.clone()).unwrap();
+        let q = c.queue_for("m").unwrap();
+        assert_eq!((q.max_requests, q.max_wait_ms, q.tenant_header.as_str()), (256, 100, "x-team"));
+        v["queue"] = json!({"max_requests": 0});
+        has_error(v.clone(), "queue.max_requests", "between 1 and 4096");
+        v["models"]["m"]["queue"] = json!({"max_wait_ms": 600_001, "priority_header": "X-Bad"});
+        has_error(v.clone(), "models.m.queue.max_wait_ms", "between 1 and 600000");
+        has_error(v.clone(), "models.m.queue.priority_header", "lowercase");
+        v["models"]["m"]["queue"] = json!({"max_wait": 1});
+        assert!(!errors(v).is_empty(), "unknown fields are refused");
+    }
+
+    #[test]
     fn generate_serves_the_only_model_or_the_one_marked_among_several() {
         assert_eq!(from_value(minimal()).unwrap().generate_model(), Some("m"));
         let mut two = minimal();

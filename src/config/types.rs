@@ -36,7 +36,33 @@ pub struct RouterConfig {
     /// The precise prefix index (spec §7); absent = byte estimate and the in-proxy tree.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_index: Option<PrefixIndexConfig>,
+    /// Flow control (spec §9) for every model without its own; absent = 503 when all are full.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueConfig>,
     pub models: BTreeMap<String, ModelConfig>,
+}
+
+/// The most requests one model's queue may hold: every VM reads the whole queue on its turns.
+pub const MAX_QUEUE_REQUESTS: u32 = 4_096;
+/// The longest a request may wait in the queue.
+pub const MAX_QUEUE_WAIT_MS: u64 = 600_000;
+
+/// Flow control (spec §9): a request every engine's admission refused waits for capacity.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueConfig {
+    /// Waiting requests per model, across every worker thread; beyond: 429 `queue_full`.
+    #[serde(default = "defaults::queue_max_requests")]
+    pub max_requests: u32,
+    /// Beyond: 429 `queue_timeout`.
+    #[serde(default = "defaults::queue_max_wait_ms")]
+    pub max_wait_ms: u64,
+    /// An integer; higher goes first; absent or unreadable = 0.
+    #[serde(default = "defaults::priority_header")]
+    pub priority_header: String,
+    /// Requests of one priority take turns between this header's values.
+    #[serde(default = "defaults::tenant_header")]
+    pub tenant_header: String,
 }
 
 /// The most retries a request may get: each is one more engine the pick names in advance.
@@ -66,6 +92,11 @@ impl RouterConfig {
             UpstreamMode::OriginalDst => 0,
         };
         self.retry.attempts.unwrap_or(default)
+    }
+
+    /// The queue of `model`'s requests, if it has one (its own wins over the top level).
+    pub fn queue_for(&self, model: &str) -> Option<&QueueConfig> {
+        self.models.get(model).and_then(|m| m.queue.as_ref()).or(self.queue.as_ref())
     }
 
     /// The model SGLang's `POST /generate` (which names none) serves: the only one when there is
@@ -378,6 +409,9 @@ pub struct ModelConfig {
     /// serves it (see [`RouterConfig::generate_model`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub serve_generate: bool,
+    /// This model's flow control; it wins over the top-level `queue`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueConfig>,
     pub buckets: Vec<BucketConfig>,
 }
 
@@ -607,6 +641,22 @@ pub struct PressureGuard {
 
 pub(crate) mod defaults {
     use super::Role;
+
+    pub fn queue_max_requests() -> u32 {
+        256
+    }
+
+    pub fn queue_max_wait_ms() -> u64 {
+        5_000
+    }
+
+    pub fn priority_header() -> String {
+        "x-sgl-priority".to_string()
+    }
+
+    pub fn tenant_header() -> String {
+        "x-sgl-tenant".to_string()
+    }
 
     pub fn role() -> Role {
         Role::Plain

@@ -4,8 +4,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, RouterConfig,
-    UpstreamMode, MAX_RETRY_ATTEMPTS,
+    AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, QueueConfig,
+    RouterConfig, UpstreamMode, MAX_QUEUE_REQUESTS, MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
 };
 use crate::registry::EngineAddress;
 use crate::registry::Role;
@@ -197,6 +197,9 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     positive(errors, "pd.prefill_timeout_ms", config.pd.prefill_timeout_ms);
     positive(errors, "tokens.bytes_per_token", config.tokens.bytes_per_token);
     positive(errors, "affinity_sweep_ms", config.affinity_sweep_ms);
+    if let Some(queue) = &config.queue {
+        validate_queue("queue", queue, errors);
+    }
     if let Some(attempts) = config.retry.attempts {
         if attempts > MAX_RETRY_ATTEMPTS {
             errors.push(ConfigError::new("retry.attempts", format!("at most {MAX_RETRY_ATTEMPTS}, got {attempts}")));
@@ -241,6 +244,9 @@ fn validate_models(config: &RouterConfig, workers: &HashMap<&str, (&str, Role)>,
             }
         }
         positive(errors, &format!("{path}.session_idle_ms"), model.session_idle_ms);
+        if let Some(queue) = &model.queue {
+            validate_queue(&format!("{path}.queue"), queue, errors);
+        }
         positive(errors, &format!("{path}.sticky_idle_ms"), model.sticky_idle_ms);
         if model.buckets.is_empty() {
             errors.push(ConfigError::new(format!("{path}.buckets"), "at least one bucket is required"));
@@ -409,6 +415,29 @@ impl GroupCheck<'_, '_> {
                     ),
                 ));
             }
+        }
+    }
+}
+
+fn validate_queue(path: &str, queue: &QueueConfig, errors: &mut Vec<ConfigError>) {
+    if !(1..=MAX_QUEUE_REQUESTS).contains(&queue.max_requests) {
+        errors.push(ConfigError::new(
+            format!("{path}.max_requests"),
+            format!("between 1 and {MAX_QUEUE_REQUESTS}, got {}", queue.max_requests),
+        ));
+    }
+    if !(1..=MAX_QUEUE_WAIT_MS).contains(&queue.max_wait_ms) {
+        errors.push(ConfigError::new(
+            format!("{path}.max_wait_ms"),
+            format!("between 1 and {MAX_QUEUE_WAIT_MS}, got {}", queue.max_wait_ms),
+        ));
+    }
+    for (field, value) in [("priority_header", &queue.priority_header), ("tenant_header", &queue.tenant_header)] {
+        if !is_header_name(value) {
+            errors.push(ConfigError::new(
+                format!("{path}.{field}"),
+                format!("`{value}` is not a lowercase HTTP header name"),
+            ));
         }
     }
 }

@@ -10,6 +10,7 @@ use super::generation::request_id::{request_id, REQUEST_ID_HEADER};
 use super::generation::{self, Effects, Endpoint, Outcome, Prepared, Ticket, Wiring};
 use super::headers::ProtectedHeaders;
 use super::indexer::IndexerClient;
+use super::queue::WaitingRoom;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::{GroupsConfig, RouterConfig};
@@ -42,6 +43,8 @@ pub struct AppContext {
     indexer: Option<Arc<IndexerClient>>,
     /// The model `/generate` serves ([`RouterConfig::generate_model`]).
     generate_model: Option<String>,
+    /// This VM's requests waiting for room (spec §9).
+    waiting: WaitingRoom,
 }
 
 impl AppContext {
@@ -79,6 +82,7 @@ impl AppContext {
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);
         Self {
+            waiting: WaitingRoom::new(Arc::clone(&handles.host), handles.vm),
             generate_model,
             indexer,
             headers: Arc::new(ProtectedHeaders::new(upstream.name())),
@@ -100,6 +104,15 @@ impl AppContext {
 
     pub fn handles(&self) -> &StateHandles {
         &self.handles
+    }
+
+    pub fn waiting(&self) -> &WaitingRoom {
+        &self.waiting
+    }
+
+    /// Milliseconds of wall-clock time, as every VM reads it.
+    pub fn now_ms(&self) -> u64 {
+        self.handles.host.now_ms()
     }
 
     /// Configured workers the service does not monitor, and so routes nothing to.

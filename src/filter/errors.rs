@@ -16,6 +16,9 @@ pub enum ErrorKind {
     PrefillFailed,
     NotFound,
     MethodNotAllowed,
+    /// Flow control (spec §9): the model's queue is full, or the request waited its longest.
+    QueueFull,
+    QueueTimeout,
 }
 
 impl ErrorKind {
@@ -33,6 +36,8 @@ impl ErrorKind {
             ErrorKind::PrefillFailed => "PrefillFailed",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::QueueFull => "queue_full",
+            ErrorKind::QueueTimeout => "queue_timeout",
         }
     }
 
@@ -42,6 +47,7 @@ impl ErrorKind {
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::PayloadTooLarge => 413,
+            ErrorKind::QueueFull | ErrorKind::QueueTimeout => 429,
             ErrorKind::AdmissionRejected | ErrorKind::NoCandidates => 503,
             ErrorKind::InvalidSignal | ErrorKind::InvalidConfiguration | ErrorKind::OutsideCandidates => 500,
             ErrorKind::PrefillFailed => 502,
@@ -116,5 +122,7 @@ mod tests {
         assert_eq!(ErrorKind::NoCandidates.status(), 503);
         assert_eq!(ErrorKind::OutsideCandidates.status(), 500);
         assert_eq!(ErrorKind::PrefillFailed.status(), 502);
+        assert_eq!(ErrorKind::QueueFull.status(), 429);
+        assert_eq!(ErrorKind::QueueTimeout.type_name(), "queue_timeout");
     }
 }

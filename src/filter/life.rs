@@ -11,6 +11,9 @@
 //!                       │                    (dispatched; timed out │
 //!                       │                     or failed: unavailable)│
 //!                       └──────────(no indexer call)────────────────▶ decide ──error──▶ Answered
+//!                                                  every engine full │ ▲
+//!                                       (queue configured) Queued ◀──┤ └── its turn (spec §9);
+//!                                   (full, wait over: 429) ◀─┘       │     wait over: 429
 //!                                                                    │
 //!                                          plain ◀──────────────────┤
 //!                                            │          PD: Dispatching prefill ──failed──▶ Answered
@@ -21,9 +24,10 @@
 //!                                          Ended  (from every state: the stream ended, however)
 //! ```
 //!
-//! A new capability (retry on another engine, abort notices, a waiting queue) is a new state and
+//! A new capability (retry on another engine, abort notices, the waiting queue) is a new state and
 //! the actions it answers with.
 
+use std::borrow::Cow;
 use std::mem;
 use std::sync::Arc;
 
@@ -33,13 +37,14 @@ use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, Targe
 use super::indexer::IndexerCall;
 use super::metrics::error_outcome;
 use super::models::{list_models, retrieve_model};
+use super::queue::{timed_out, QueueExit, RETRY_AFTER_S};
 use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
 use crate::host::CalloutRequest;
 use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::Role;
 use crate::state::load_monitor::InflightGuard;
-use crate::wiring::counters::{Bumps, Counter, IndexerEvent, SELECTION_US};
+use crate::wiring::counters::{queue_wait_ms, Bumps, Counter, IndexerEvent, SELECTION_US};
 
 /// What the glue does for the core, in order.
 #[derive(Debug, PartialEq)]
@@ -75,7 +80,10 @@ pub enum Action {
     /// Counter bumps due for Envoy's stats.
     Count(Bumps),
     /// A histogram sample.
-    Observe(&'static str, u64),
+    Observe(Cow<'static, str>, u64),
+    /// The request waits in the queue: the glue wakes it with [`RequestLife::on_turn`] when the
+    /// VM's waiting room names it.
+    Wait,
 }
 
 /// The actions of one hook.
@@ -111,6 +119,18 @@ struct Awaiting {
     started_us: u64,
 }
 
+/// A request waiting for an engine with room (spec §9).
+#[derive(Debug)]
+struct Queued {
+    held: Held,
+    ticket: Ticket,
+    model: Arc<str>,
+    priority: i32,
+    deadline_ms: u64,
+    max_wait_ms: u64,
+    since_ms: u64,
+}
+
 /// A decision whose prefill callout is being dispatched.
 #[derive(Debug)]
 struct Dispatching {
@@ -141,6 +161,7 @@ enum State {
     Passing,
     Buffering(Held),
     AwaitingIndexer(Box<Awaiting>),
+    Queued(Box<Queued>),
     DispatchingPrefill(Box<Dispatching>),
     Routed(Box<Routed>),
     /// Answered by the filter after the body was read; whatever comes later is not ours.
@@ -154,9 +175,15 @@ pub struct RequestLife {
     state: State,
     /// `x-sgl-vm`, when the configuration asks for it.
     vm_header: Option<String>,
+    /// The stream's id in its VM: its place in a waiting queue is named by it.
+    id: u32,
 }
 
-fn reply(error: &RouteError, headers: Vec<(&'static str, String)>) -> Action {
+/// A 429 tells the client when to come back (spec §9).
+fn reply(error: &RouteError, mut headers: Vec<(&'static str, String)>) -> Action {
+    if error.status() == 429 {
+        headers.push(("retry-after", RETRY_AFTER_S.to_string()));
+    }
     Action::Reply { status: error.status(), body: error.body(), headers: json_headers(headers) }
 }
 
@@ -166,8 +193,8 @@ fn json_headers(mut headers: Vec<(&'static str, String)>) -> Vec<(&'static str, 
 }
 
 impl RequestLife {
-    pub fn new(vm_header: Option<String>) -> Self {
-        Self { state: State::New, vm_header }
+    pub fn new(vm_header: Option<String>, id: u32) -> Self {
+        Self { state: State::New, vm_header, id }
     }
 
     /// An error not counted yet: counted, and answered.
@@ -244,7 +271,7 @@ impl RequestLife {
             State::Buffering(_) => {}
             State::New | State::Passing | State::Routed(_) | State::Ended => return out.push(Action::Proceed),
             // Held until the answer comes, or answered already.
-            State::AwaitingIndexer(_) | State::DispatchingPrefill(_) | State::Answered => return,
+            State::AwaitingIndexer(_) | State::Queued(_) | State::DispatchingPrefill(_) | State::Answered => return,
         }
         match body_step(size, end_of_stream) {
             BodyStep::Wait => return,
@@ -390,16 +417,113 @@ impl RequestLife {
         }
     }
 
-    /// Selects, and carries out the decision or answers the error.
+    /// Selects, and carries out the decision or answers the error. With a queue, a request waits
+    /// when every engine refused it, and an arrival waits behind requests already waiting.
     fn decide(&mut self, app: &AppContext, held: Held, ticket: Ticket, started_us: u64, out: &mut Actions) {
+        let queue = app.config().queue_for(&ticket.facts.model);
+        if queue.is_some() && app.waiting().occupied(&ticket.facts.model) {
+            return self.wait(app, held, ticket, None, out);
+        }
         let outcome = app.decide(ticket);
-        out.push(Action::Observe(SELECTION_US, app.monotonic_us().saturating_sub(started_us)));
-        app.count(outcome.counters);
-        match outcome.result {
+        out.push(Action::Observe(Cow::Borrowed(SELECTION_US), app.monotonic_us().saturating_sub(started_us)));
+        match (outcome.result, outcome.refused) {
+            (Err(error), Some(ticket)) if queue.is_some() => {
+                // The refusals are counted; the outcome is the wait's.
+                app.count(outcome.counters.into_iter().filter(|c| !matches!(c, Counter::Outcome(_))));
+                self.wait(app, held, ticket, Some(error), out)
+            }
+            (result, _) => self.conclude(app, held, outcome.counters, result, out),
+        }
+    }
+
+    /// A selection's counters go; its decision is carried out, or its error answered.
+    fn conclude(
+        &mut self,
+        app: &AppContext,
+        held: Held,
+        counters: Vec<Counter>,
+        result: Result<Decision, RouteError>,
+        out: &mut Actions,
+    ) {
+        app.count(counters);
+        match result {
             Ok(decision) => self.apply(app, held, decision, out),
             Err(error) => {
                 out.push(reply(&error, vec![]));
                 self.state = State::Answered;
+            }
+        }
+    }
+
+    /// Joins the model's queue; `refusal` is the error a refused request answers with should the
+    /// queue be out of reach. A request that joined behind others is tried at once when it is among
+    /// the first.
+    fn wait(&mut self, app: &AppContext, held: Held, ticket: Ticket, refusal: Option<RouteError>, out: &mut Actions) {
+        let model = ticket.facts.model.clone();
+        let Some(config) = app.config().queue_for(&model) else { return };
+        let (max_wait_ms, header) = (config.max_wait_ms, |name: &str| held.header(name));
+        let priority = super::queue::priority(config, &header);
+        match app.waiting().join(self.id, &model, config, &header) {
+            Some(Ok(place)) => {
+                let queued = Queued {
+                    held,
+                    ticket,
+                    model: place.model,
+                    priority,
+                    deadline_ms: place.deadline_ms,
+                    max_wait_ms,
+                    since_ms: app.now_ms(),
+                };
+                self.state = State::Queued(Box::new(queued));
+                out.push(Action::Wait);
+                if place.turn && refusal.is_none() {
+                    self.on_turn(app, out);
+                }
+            }
+            Some(Err(full)) => {
+                app.count([Counter::QueueRejection(QueueExit::Full, priority)]);
+                self.fail(app, &full, out);
+            }
+            // The queue is out of reach: answered as without one.
+            None => match refusal {
+                Some(error) => self.fail(app, &error, out),
+                None => {
+                    let outcome = app.decide(ticket);
+                    self.conclude(app, held, outcome.counters, outcome.result, out)
+                }
+            },
+        }
+    }
+
+    /// A waiting request's turn, or its wait is over: it is selected again, bucket-first; it goes
+    /// to its engines, waits on when every engine is still full, or is answered.
+    pub fn on_turn(&mut self, app: &AppContext, out: &mut Actions) {
+        let State::Queued(queued) = mem::take(&mut self.state) else { return };
+        let Queued { held, ticket, model, priority, deadline_ms, max_wait_ms, since_ms } = *queued;
+        if app.now_ms() >= deadline_ms {
+            app.waiting().leave(self.id, false);
+            app.count([Counter::QueueRejection(QueueExit::Timeout, priority)]);
+            return self.fail(app, &timed_out(&model, max_wait_ms), out);
+        }
+        // Room freed on another VM shows in its counts.
+        Self::sync(app, out);
+        let started_us = app.monotonic_us();
+        let outcome = app.decide(ticket);
+        match (outcome.result, outcome.refused) {
+            (Err(_), Some(ticket)) => {
+                // Still full: it keeps its place, and its refusals are not counted again.
+                let queued = Queued { held, ticket, model, priority, deadline_ms, max_wait_ms, since_ms };
+                self.state = State::Queued(Box::new(queued));
+            }
+            (result, _) => {
+                app.waiting().leave(self.id, result.is_ok());
+                let selection_us = app.monotonic_us().saturating_sub(started_us);
+                out.push(Action::Observe(Cow::Borrowed(SELECTION_US), selection_us));
+                if result.is_ok() {
+                    let waited = app.now_ms().saturating_sub(since_ms);
+                    out.push(Action::Observe(Cow::Owned(queue_wait_ms(priority)), waited));
+                }
+                self.conclude(app, held, outcome.counters, result, out)
             }
         }
     }
@@ -439,9 +563,7 @@ impl RequestLife {
         out: &mut Actions,
     ) {
         let upstream = Arc::clone(exchange.decision().target.upstream());
-        // The upstream does the prefill work unless a prefill engine did it.
-        let prefill_tokens = if exchange.decision().pd.is_some() { 0 } else { exchange.decision().prefill_tokens };
-        let guard = app.on_dispatch(&upstream.id, prefill_tokens);
+        let guard = app.on_dispatch(&upstream.id, exchange.decision().upstream_prefill_tokens());
         exchange.dispatched(&upstream.id);
         // The indexers' routed notices: nothing waits for them; their answers are only counted.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
@@ -477,9 +599,7 @@ impl RequestLife {
             if let Some((engine, effects)) = upstream_host().and_then(|host| routed.exchange.retried(&host)) {
                 app.carry_out(effects);
                 // The slot moves to the engine that has the request.
-                let decision = routed.exchange.decision();
-                let prefill_tokens = if decision.pd.is_some() { 0 } else { decision.prefill_tokens };
-                routed.upstream = app.on_dispatch(&engine.id, prefill_tokens);
+                routed.upstream = app.on_dispatch(&engine.id, routed.exchange.decision().upstream_prefill_tokens());
             }
         }
         if let Some(vm) = &self.vm_header {
@@ -513,8 +633,7 @@ impl RequestLife {
         let decision = routed.exchange.decision();
         let Some(rid) = decision.rid.as_deref() else { return };
         let upstream = decision.target.upstream();
-        let stage = if decision.pd.is_some() { Role::Decode } else { Role::Plain };
-        let mut counters = vec![Counter::Abort(stage)];
+        let mut counters = vec![Counter::Abort(decision.target.upstream_stage())];
         out.push(Action::Detach(abort_request(upstream, rid)));
         let prefill_out = routed.prefill.as_ref().is_some_and(|(_, guard)| guard.is_some());
         if let (true, Target::Pd { prefill, .. }) = (prefill_out, &decision.target) {
@@ -527,11 +646,19 @@ impl RequestLife {
     /// The stream ended, however: completed, failed, or the client went away at any step. Each
     /// engine still working on a request that did not complete is told to stop (spec §8).
     pub fn on_end(&mut self, app: &AppContext, out: &mut Actions) {
-        if let State::Routed(mut routed) = mem::replace(&mut self.state, State::Ended) {
-            if !routed.complete {
-                Self::abort(app, &routed, out);
+        match mem::replace(&mut self.state, State::Ended) {
+            State::Routed(mut routed) => {
+                if !routed.complete {
+                    Self::abort(app, &routed, out);
+                }
+                app.carry_out(routed.exchange.on_end());
             }
-            app.carry_out(routed.exchange.on_end());
+            // The client went away while waiting: its place goes at once.
+            State::Queued(queued) => {
+                app.waiting().leave(self.id, false);
+                app.count([Counter::QueueRejection(QueueExit::ClientGone, queued.priority)]);
+            }
+            _ => {}
         }
         // Whatever was held (an indexer slot, in-flight slots) is given back by now.
         Self::sync(app, out);
@@ -612,7 +739,7 @@ mod tests {
 
     /// Headers, then the whole body in one callback.
     fn send(app: &AppContext, path: &str, body: &[u8]) -> (RequestLife, Vec<Action>) {
-        let mut life = RequestLife::new(None);
+        let mut life = RequestLife::new(None, 1);
         let mut out = Vec::new();
         life.on_request_headers(app, headers("POST", path), false, &mut out);
         assert_eq!(visible(&mut out), [Action::RemoveRequestHeader("x-sgl-cluster".into())]);
@@ -642,7 +769,7 @@ mod tests {
     #[test]
     fn a_plain_request_is_routed_answered_and_released() {
         let app = plain_app();
-        let mut life = RequestLife::new(Some("00ff".into()));
+        let mut life = RequestLife::new(Some("00ff".into()), 1);
         let mut out = Vec::new();
         let mut with_id = headers("POST", "/v1/chat/completions");
         with_id.push(("x-request-id".into(), b"req-1".to_vec()));
@@ -651,7 +778,10 @@ mod tests {
         life.on_request_body(&app, 10, false, &mut |_| unreachable!("not read before its end"), &mut out);
         assert!(visible(&mut out).is_empty(), "buffering");
         life.on_request_body(&app, CHAT.len(), true, &mut |_| CHAT.to_vec(), &mut out);
-        assert!(out.iter().any(|a| matches!(a, Action::Observe(SELECTION_US, _))), "selection time sampled");
+        assert!(
+            out.iter().any(|a| matches!(a, Action::Observe(Cow::Borrowed(SELECTION_US), _))),
+            "selection time sampled"
+        );
         let actions = visible(&mut out);
         let sent = body_of(&actions).unwrap();
         assert_eq!((sent["rid"].as_str(), sent["max_tokens"].as_u64()), (Some("req-1"), Some(4)), "Envoy's id");
@@ -1136,5 +1266,143 @@ mod tests {
         life.on_end(&pd, &mut out);
         let sent = aborts(&mut out);
         assert_eq!(sent.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(), ["sgl_D"], "the prefill was done");
+    }
+
+    /// One engine that takes one request at a time, and a queue; `memory` is the VMs' host.
+    fn queued_app(memory: &Arc<MemoryHost>, vm: u64, max_requests: u32) -> AppContext {
+        let config = json!({
+            "workers": [engine("A", 1, "plain")],
+            "retry": {"attempts": 0},
+            "queue": {"max_requests": max_requests, "max_wait_ms": 1000},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {
+                "type": "round_robin", "admission": {"max_inflight_requests": 1}}}}}]}},
+        });
+        let config = parse_and_validate(&config.to_string()).unwrap();
+        let host: Arc<dyn Host> = Arc::clone(memory) as Arc<dyn Host>;
+        let (handles, _) = filter_handles(&config, host, vm);
+        AppContext::new(config, handles)
+    }
+
+    /// A request with `headers` (name, value) as stream `id`: its life and the body's actions.
+    fn send_as(app: &AppContext, id: u32, extra: &[(&str, &str)]) -> (RequestLife, Vec<Action>) {
+        let mut life = RequestLife::new(None, id);
+        let mut out = Vec::new();
+        let mut h = headers("POST", "/v1/chat/completions");
+        h.extend(extra.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())));
+        life.on_request_headers(app, h, false, &mut out);
+        out.clear();
+        life.on_request_body(app, CHAT.len(), true, &mut |_| CHAT.to_vec(), &mut out);
+        (life, out)
+    }
+
+    type Answer = (u16, Value, Vec<(&'static str, String)>);
+
+    fn reply_of(actions: &[Action]) -> Option<Answer> {
+        actions.iter().find_map(|a| match a {
+            Action::Reply { status, body, headers } => {
+                Some((*status, serde_json::from_slice(body).unwrap(), headers.clone()))
+            }
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_refused_request_waits_and_goes_to_the_engine_that_frees() {
+        let memory = Arc::new(MemoryHost::default());
+        let app = queued_app(&memory, 1, 8);
+        let (mut first, out) = send_as(&app, 1, &[]);
+        assert!(out.contains(&Action::Proceed));
+        let (mut second, mut out) = send_as(&app, 2, &[]);
+        assert_eq!(visible(&mut out), [Action::Wait], "no answer: it waits");
+        assert!(app.waiting().holds(2));
+        assert_eq!(app.waiting().turns(), [2]);
+        second.on_turn(&app, &mut out);
+        assert!(visible(&mut out).is_empty(), "still full: it keeps waiting");
+        let mut end = Vec::new();
+        first.on_end(&app, &mut end);
+        memory.advance_ms(30);
+        second.on_turn(&app, &mut out);
+        assert_eq!(upstream(&out), Some("sgl_A"));
+        assert!(out.contains(&Action::Proceed));
+        let waited = out.iter().find_map(|a| match a {
+            Action::Observe(name, ms) if name.starts_with("sgl_router_queue_wait_ms") => Some((name.to_string(), *ms)),
+            _ => None,
+        });
+        assert_eq!(waited, Some(("sgl_router_queue_wait_ms.priority.0".to_string(), 30)));
+        assert!(!app.waiting().holds(2) && app.waiting().depth("m") == 0);
+    }
+
+    #[test]
+    fn a_wait_that_runs_out_is_a_429_queue_timeout_with_retry_after() {
+        let memory = Arc::new(MemoryHost::default());
+        let app = queued_app(&memory, 1, 8);
+        let (_first, _) = send_as(&app, 1, &[]);
+        let (mut second, mut out) = send_as(&app, 2, &[("x-sgl-priority", "3")]);
+        out.clear();
+        memory.advance_ms(1000);
+        assert_eq!(app.waiting().turns(), [2]);
+        second.on_turn(&app, &mut out);
+        let (status, body, headers) = reply_of(&out).unwrap();
+        assert_eq!((status, body["error"]["type"].as_str()), (429, Some("queue_timeout")));
+        assert!(headers.contains(&("retry-after", "1".to_string())));
+        assert_eq!(app.waiting().depth("m"), 0);
+        let counted = app.sync_shared_now();
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Timeout, 3)), Some(&1));
+    }
+
+    #[test]
+    fn a_full_queue_is_a_429_queue_full_and_a_client_that_leaves_frees_its_place() {
+        let memory = Arc::new(MemoryHost::default());
+        let app = queued_app(&memory, 1, 1);
+        let (_first, _) = send_as(&app, 1, &[]);
+        let (mut second, _) = send_as(&app, 2, &[]);
+        let (_third, out) = send_as(&app, 3, &[]);
+        let (status, body, headers) = reply_of(&out).unwrap();
+        assert_eq!((status, body["error"]["type"].as_str()), (429, Some("queue_full")));
+        assert!(headers.contains(&("retry-after", "1".to_string())));
+        let mut out = Vec::new();
+        second.on_end(&app, &mut out);
+        assert!(!app.waiting().holds(2) && app.waiting().depth("m") == 0);
+        let counted = app.sync_shared_now();
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::ClientGone, 0)), Some(&1));
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Full, 0)), Some(&1));
+        // Gone, it is never dispatched.
+        second.on_turn(&app, &mut out);
+        assert!(visible(&mut out).is_empty());
+    }
+
+    #[test]
+    fn an_arrival_on_another_vm_waits_behind_and_the_higher_priority_goes_first() {
+        let memory = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (queued_app(&memory, 1, 8), queued_app(&memory, 2, 8));
+        // VMs see each other's counts as of their last exchange: each exchanges here at once.
+        let exchange = || {
+            memory.advance_ms(10);
+            for vm in [1, 2] {
+                crate::state::vm_registry::heartbeat(memory.as_ref(), vm, memory.now_ms(), true).unwrap();
+            }
+            let _ = (vm1.sync_shared_now(), vm2.sync_shared_now());
+        };
+        exchange();
+        let (mut first, _) = send_as(&vm1, 1, &[]);
+        exchange();
+        let (mut low, _) = send_as(&vm1, 2, &[("x-sgl-priority", "0")]);
+        let (mut high, _) = send_as(&vm2, 2, &[("x-sgl-priority", "5")]);
+        assert!(vm2.waiting().holds(2) && vm1.waiting().depth("m") == 2);
+        let mut out = Vec::new();
+        first.on_end(&vm1, &mut out);
+        exchange();
+        // Room: an arrival on VM 2 does not take it from those waiting.
+        let (_late, mut out) = send_as(&vm2, 3, &[("x-sgl-priority", "-1")]);
+        assert_eq!(visible(&mut out), [Action::Wait]);
+        // Two VMs wait: the first two may be tried, the high one first, on VM 2.
+        assert_eq!(vm2.waiting().turns(), [2]);
+        assert_eq!(vm1.waiting().turns(), [2]);
+        high.on_turn(&vm2, &mut out);
+        assert_eq!(upstream(&out), Some("sgl_A"));
+        exchange();
+        let mut out = Vec::new();
+        low.on_turn(&vm1, &mut out);
+        assert!(visible(&mut out).is_empty() && vm1.waiting().holds(2), "full again: the low one waits on");
     }
 }

@@ -1,20 +1,40 @@
 //! The HTTP filter: each hook hands its event to the request's life in the core
 //! ([`RequestLife`]) and carries out the actions it gets back with host calls. It holds one state
-//! value per request and decides nothing.
+//! value per request and decides nothing. A stream waiting in the queue is woken by its root's
+//! tick ([`Waiters`]), which calls it under its own context id.
 
-use std::cell::RefCell;
-use std::rc::Rc;
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::rc::{Rc, Weak};
+use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action as Flow, BufferType};
+use proxy_wasm::types::{Action as Flow, BufferType, MapType};
 
 use super::host::{clear_route_cache, dispatch, ClockScope};
 use super::stats::Stats;
 use crate::filter::life::{Action, Actions, RequestLife};
 use crate::filter::AppContext;
 
+/// How often a VM with waiting streams looks for their turns.
+pub const QUEUE_TICK: Duration = Duration::from_millis(2);
+
+/// A VM's waiting streams by context id, for its root to wake, and whether its root ticks fast.
+#[derive(Default)]
+pub struct WaitingStreams {
+    pub streams: RefCell<BTreeMap<u32, Weak<RefCell<Stream>>>>,
+    pub fast_tick: Cell<bool>,
+}
+
+pub type Waiters = Rc<WaitingStreams>;
+
+/// Envoy's handle on a stream: the stream itself is shared with the root while it waits.
 pub struct Filter {
+    stream: Rc<RefCell<Stream>>,
+}
+
+pub struct Stream {
     app: Rc<RefCell<AppContext>>,
     stats: Rc<Stats>,
     life: RequestLife,
@@ -24,14 +44,57 @@ pub struct Filter {
     /// This stream's context id and its root's.
     context_id: u32,
     root_id: u32,
+    waiters: Waiters,
+    this: Weak<RefCell<Stream>>,
 }
 
 impl Filter {
     /// `contexts`: this stream's context id and its root's.
-    pub fn new(app: Rc<RefCell<AppContext>>, stats: Rc<Stats>, vm: u64, contexts: (u32, u32)) -> Self {
+    pub fn new(
+        app: Rc<RefCell<AppContext>>,
+        stats: Rc<Stats>,
+        vm: u64,
+        contexts: (u32, u32),
+        waiters: Waiters,
+    ) -> Self {
         let vm_header = app.borrow().vm_header(vm);
         let (context_id, root_id) = contexts;
-        Self { app, stats, life: RequestLife::new(vm_header), actions: Vec::new(), context_id, root_id }
+        let stream = Rc::new_cyclic(|this| {
+            RefCell::new(Stream {
+                app,
+                stats,
+                life: RequestLife::new(vm_header, context_id),
+                actions: Vec::new(),
+                context_id,
+                root_id,
+                waiters,
+                this: this.clone(),
+            })
+        });
+        Self { stream }
+    }
+}
+
+impl Stream {
+    /// Its turn in the queue, or its wait is over; called by the root under this stream's id.
+    pub fn on_turn(&mut self) {
+        let _clock = ClockScope::enter();
+        let mut actions = self.take_actions();
+        self.life.on_turn(&self.app.borrow(), &mut actions);
+        if self.carry_out(actions) {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+
+    /// Joins the VM's waiting streams; the root looks for turns at once and then every tick.
+    fn wait(&self) {
+        self.waiters.streams.borrow_mut().insert(self.context_id, self.this.clone());
+        if !self.waiters.fast_tick.replace(true) {
+            if hostcalls::set_effective_context(self.root_id).is_ok() {
+                let _ = hostcalls::set_tick_period(QUEUE_TICK);
+            }
+            let _ = hostcalls::set_effective_context(self.context_id);
+        }
     }
 
     /// Sends `request` as the root context's callout: Envoy cancels a stream's callouts when the
@@ -69,9 +132,15 @@ impl Filter {
         while i < actions.len() {
             match std::mem::replace(&mut actions[i], Action::Proceed) {
                 Action::Proceed => proceed = true,
-                Action::RemoveRequestHeader(name) => self.set_http_request_header(&name, None),
-                Action::SetRequestHeader(name, value) => self.set_http_request_header(&name, Some(&value)),
-                Action::ReplaceRequestBody { size, body } => self.set_http_request_body(0, size, &body),
+                Action::RemoveRequestHeader(name) => {
+                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None);
+                }
+                Action::SetRequestHeader(name, value) => {
+                    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value));
+                }
+                Action::ReplaceRequestBody { size, body } => {
+                    let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, &body);
+                }
                 Action::ClearRouteCache => clear_route_cache(),
                 Action::Dispatch(request) => {
                     let result = dispatch(&request).map_err(|e| e.to_string());
@@ -86,12 +155,17 @@ impl Filter {
                 }
                 Action::Reply { status, body, headers } => {
                     let headers = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                    self.send_http_response(u32::from(status), headers, Some(&body));
+                    let _ = hostcalls::send_http_response(u32::from(status), headers, Some(&body));
                 }
-                Action::SetResponseHeader(name, value) => self.set_http_response_header(name, Some(&value)),
-                Action::ResumeResponse => self.resume_http_response(),
+                Action::SetResponseHeader(name, value) => {
+                    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(&value));
+                }
+                Action::ResumeResponse => {
+                    let _ = hostcalls::resume_http_response();
+                }
                 Action::Count(bumps) => self.stats.count_all(&bumps),
-                Action::Observe(name, value) => self.stats.histogram(name, value),
+                Action::Observe(name, value) => self.stats.histogram(&name, value),
+                Action::Wait => self.wait(),
             }
             i += 1;
         }
@@ -112,29 +186,27 @@ fn read_buffer(buffer: BufferType, size: usize) -> Vec<u8> {
     hostcalls::get_buffer(buffer, 0, size).ok().flatten().unwrap_or_default()
 }
 
-impl Context for Filter {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+impl Stream {
+    fn on_http_call_response(&mut self, token: u32, body_size: usize) {
         let _clock = ClockScope::enter();
-        let status = self.get_http_call_response_header(":status").and_then(|s| s.parse().ok());
+        let status = header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok());
         let mut actions = self.take_actions();
         let mut read = || read_buffer(BufferType::HttpCallResponseBody, body_size);
         self.life.on_callout_answer(&self.app.borrow(), token, status, &mut read, &mut actions);
         if self.carry_out(actions) {
-            self.resume_http_request();
+            let _ = hostcalls::resume_http_request();
         }
     }
-}
 
-impl HttpContext for Filter {
-    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Flow {
+    fn on_request_headers(&mut self, end_of_stream: bool) -> Flow {
         // The whole map in one host call: each header read alone is a copy into the VM of its own.
-        let headers = self.get_http_request_headers_bytes();
+        let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
         let mut actions = self.take_actions();
         self.life.on_request_headers(&self.app.borrow(), headers, end_of_stream, &mut actions);
         Self::flow(self.carry_out(actions))
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Flow {
+    fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Flow {
         let _clock = ClockScope::enter();
         let mut actions = self.take_actions();
         let mut read = |size| read_buffer(BufferType::HttpRequestBody, size);
@@ -142,9 +214,9 @@ impl HttpContext for Filter {
         Self::flow(self.carry_out(actions))
     }
 
-    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Flow {
+    fn on_response_headers(&mut self, end_of_stream: bool) -> Flow {
         let _clock = ClockScope::enter();
-        let status = self.get_http_response_header(":status").and_then(|s| s.parse().ok());
+        let status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse().ok());
         let mut actions = self.take_actions();
         let mut upstream_host = || {
             hostcalls::get_property(vec!["upstream", "address"]).ok().flatten().and_then(|b| String::from_utf8(b).ok())
@@ -153,7 +225,7 @@ impl HttpContext for Filter {
         Self::flow(self.carry_out(actions))
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Flow {
+    fn on_response_body(&mut self, end_of_stream: bool) -> Flow {
         let mut actions = self.take_actions();
         self.life.on_response_body(end_of_stream, &mut actions);
         Self::flow(self.carry_out(actions))
@@ -164,5 +236,38 @@ impl HttpContext for Filter {
         let mut actions = self.take_actions();
         self.life.on_end(&self.app.borrow(), &mut actions);
         self.carry_out(actions);
+        self.waiters.streams.borrow_mut().remove(&self.context_id);
+    }
+}
+
+fn header(map: MapType, name: &str) -> Option<String> {
+    hostcalls::get_map_value(map, name).ok().flatten()
+}
+
+impl Context for Filter {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        self.stream.borrow_mut().on_http_call_response(token, body_size);
+    }
+}
+
+impl HttpContext for Filter {
+    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Flow {
+        self.stream.borrow_mut().on_request_headers(end_of_stream)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Flow {
+        self.stream.borrow_mut().on_request_body(body_size, end_of_stream)
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Flow {
+        self.stream.borrow_mut().on_response_headers(end_of_stream)
+    }
+
+    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Flow {
+        self.stream.borrow_mut().on_response_body(end_of_stream)
+    }
+
+    fn on_log(&mut self) {
+        self.stream.borrow_mut().on_log();
     }
 }

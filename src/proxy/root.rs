@@ -8,7 +8,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
-use super::filter::Filter;
+use super::filter::{Filter, Waiters, QUEUE_TICK};
 use super::host::ProxyHost;
 use super::service::Service;
 use super::stats::Stats;
@@ -17,6 +17,7 @@ use crate::filter::AppContext;
 use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
 use crate::state::{filter_config, vm_registry};
+use crate::wiring::counters::queue_depth;
 use crate::wiring::factory::filter_handles;
 use std::time::Duration;
 
@@ -38,7 +39,18 @@ pub struct Root {
     /// This VM's replica of the prefix index.
     prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
+    /// This VM's streams waiting in the queue, woken from the tick.
+    waiters: Waiters,
+    /// When the filter's heartbeat work last ran: a VM with waiting streams ticks faster.
+    last_heartbeat_ms: Cell<u64>,
+    /// When the queues' depths were last exported.
+    last_depths_ms: Cell<u64>,
 }
+
+/// How often a VM with waiting streams exports its models' queue depths.
+const DEPTHS_EVERY_MS: u64 = 100;
+/// Wakes per tick at most: a stream whose turn comes because another left is woken in the same tick.
+const TURN_ROUNDS: usize = 8;
 
 fn root_id() -> String {
     hostcalls::get_property(vec!["plugin_root_id"])
@@ -83,6 +95,39 @@ impl Root {
 }
 
 impl Root {
+    /// Wakes the waiting streams whose turn it is, each under its own context id, then again for
+    /// streams whose turn came as others left; each stream at most once per tick.
+    fn take_turns(&self, app: &Rc<RefCell<AppContext>>) {
+        let mut woken = Vec::new();
+        for _ in 0..TURN_ROUNDS {
+            let turns: Vec<u32> = app.borrow().waiting().turns().into_iter().filter(|id| !woken.contains(id)).collect();
+            if turns.is_empty() {
+                break;
+            }
+            for id in turns {
+                woken.push(id);
+                let stream = self.waiters.streams.borrow().get(&id).and_then(std::rc::Weak::upgrade);
+                match stream {
+                    Some(stream) if hostcalls::set_effective_context(id).is_ok() => stream.borrow_mut().on_turn(),
+                    // Gone without its end being heard: its place goes.
+                    _ => app.borrow().waiting().leave(id, false),
+                }
+            }
+        }
+        let _ = hostcalls::set_effective_context(self.context_id);
+        let waiting = app.borrow();
+        self.waiters.streams.borrow_mut().retain(|id, _| waiting.waiting().holds(*id));
+    }
+
+    /// Each queued model's depth, counted over every VM.
+    fn export_depths(&self, app: &Rc<RefCell<AppContext>>) {
+        let app = app.borrow();
+        let config = app.config();
+        for model in config.models.keys().filter(|m| config.queue_for(m).is_some()) {
+            self.stats.gauge(&queue_depth(model), app.waiting().depth(model) as u64);
+        }
+    }
+
     fn start_service(&mut self, own: Option<(config::RouterConfig, String)>) -> bool {
         let mut service = Service::new(own, Rc::clone(&self.stats));
         if let Some(period) = service.new_tick_period() {
@@ -157,6 +202,27 @@ impl RootContext for Root {
             }
         }
         if let Some(app) = self.filter.clone() {
+            let now = ProxyHost.now_ms();
+            let waiting = !app.borrow().waiting().is_empty();
+            if waiting {
+                self.take_turns(&app);
+            }
+            // A VM that had streams waiting reports the depth they left too.
+            let recent = waiting || self.waiters.fast_tick.get();
+            let since = now.saturating_sub(self.last_depths_ms.get());
+            if since >= vm_registry::HEARTBEAT_MS || (recent && since >= DEPTHS_EVERY_MS) {
+                self.last_depths_ms.set(now);
+                self.export_depths(&app);
+            }
+            let still_waiting = !app.borrow().waiting().is_empty();
+            if still_waiting != self.waiters.fast_tick.replace(still_waiting) {
+                let period = if still_waiting { QUEUE_TICK } else { Duration::from_millis(vm_registry::HEARTBEAT_MS) };
+                self.set_tick_period(period);
+            }
+            if now.saturating_sub(self.last_heartbeat_ms.get()) < vm_registry::HEARTBEAT_MS {
+                return;
+            }
+            self.last_heartbeat_ms.set(now);
             // What this VM did just before it went quiet reaches the others here at the latest.
             let due = app.borrow().sync_shared_now();
             self.stats.count_all(&due);
@@ -178,7 +244,8 @@ impl RootContext for Root {
             self.heartbeat();
         }
         let contexts = (context_id, self.context_id);
-        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats), self.vm.unwrap_or(0), contexts)))
+        let waiters = Rc::clone(&self.waiters);
+        Some(Box::new(Filter::new(Rc::clone(app), Rc::clone(&self.stats), self.vm.unwrap_or(0), contexts, waiters)))
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use crate::policies::{Limit, PickReason};
 use crate::registry::{Engine, Role};
 use crate::state::schedule::Batched;
+use crate::state::wait_queue::QueueExit;
 
 pub const SELECTION_US: &str = "sgl_router_selection_us";
 
@@ -42,6 +43,19 @@ pub enum Counter {
     Abort(Role),
     /// `sgl_router_retries_total{stage}`: requests Envoy sent on to a fallback engine.
     Retry(Role),
+    /// `sgl_router_queue_rejections_total{priority, reason}`: requests that left the waiting queue
+    /// (or found it full) without being dispatched.
+    QueueRejection(QueueExit, i32),
+}
+
+/// The waiting queue's histogram of how long dispatched requests waited, by priority.
+pub fn queue_wait_ms(priority: i32) -> String {
+    format!("sgl_router_queue_wait_ms.priority.{priority}")
+}
+
+/// The gauge of requests waiting in one model's queue, on every VM.
+pub fn queue_depth(model: &str) -> String {
+    format!("sgl_router_queue_depth.model.{}", label(model))
 }
 
 /// What happened with one indexer replica.
@@ -66,18 +80,19 @@ impl IndexerEvent {
 
 impl Counter {
     /// The family and label values: what tells two counters apart.
-    fn key(&self) -> (u8, &str, &str) {
+    fn key(&self) -> (u8, &str, &str, i32) {
         match self {
-            Counter::Outcome(o) => (0, o, ""),
-            Counter::BucketSelected(b) => (1, b, ""),
-            Counter::Pick(stage, w) => (2, stage.as_str(), &w.id),
-            Counter::PickReason(stage, r) => (3, stage.as_str(), r.as_str()),
-            Counter::Rejection(l) => (4, l.as_str(), ""),
-            Counter::PrefixLookup(v) => (5, v, ""),
-            Counter::HealthTableStale => (6, "", ""),
-            Counter::Indexer(cluster, event) => (7, cluster, event.as_str()),
-            Counter::Abort(stage) => (8, stage.as_str(), ""),
-            Counter::Retry(stage) => (9, stage.as_str(), ""),
+            Counter::Outcome(o) => (0, o, "", 0),
+            Counter::BucketSelected(b) => (1, b, "", 0),
+            Counter::Pick(stage, w) => (2, stage.as_str(), &w.id, 0),
+            Counter::PickReason(stage, r) => (3, stage.as_str(), r.as_str(), 0),
+            Counter::Rejection(l) => (4, l.as_str(), "", 0),
+            Counter::PrefixLookup(v) => (5, v, "", 0),
+            Counter::HealthTableStale => (6, "", "", 0),
+            Counter::Indexer(cluster, event) => (7, cluster, event.as_str(), 0),
+            Counter::Abort(stage) => (8, stage.as_str(), "", 0),
+            Counter::Retry(stage) => (9, stage.as_str(), "", 0),
+            Counter::QueueRejection(exit, priority) => (10, exit.as_str(), "", *priority),
         }
     }
 
@@ -110,6 +125,9 @@ impl Counter {
             }
             Counter::Abort(stage) => format!("sgl_router_aborts_total.stage.{}", stage.as_str()),
             Counter::Retry(stage) => format!("sgl_router_retries_total.stage.{}", stage.as_str()),
+            Counter::QueueRejection(exit, priority) => {
+                format!("sgl_router_queue_rejections_total.priority.{priority}.reason.{}", exit.as_str())
+            }
         }
     }
 }

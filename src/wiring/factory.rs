@@ -49,6 +49,8 @@ pub struct StateHandles {
     pub counters: Arc<HeldCounters>,
     /// Whether this VM is the only filter VM, as its heartbeats find (round-robin cursors read it).
     pub solitude: Arc<Solitude>,
+    /// This VM's identity in shared state (its in-flight share, its places in waiting queues).
+    pub vm: u64,
 }
 
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
@@ -77,6 +79,7 @@ pub fn filter_handles(config: &RouterConfig, host: Arc<dyn Host>, vm: u64) -> (S
         solitude: Arc::default(),
         counters: Arc::new(HeldCounters::new(SYNC_MS)),
         host,
+        vm,
     };
     (handles, prefixes)
 }

@@ -14,11 +14,11 @@ use super::{Endpoint, RequestFacts};
 use crate::buckets::{BucketPick, BucketRequest, BucketResolver};
 use crate::filter::indexer::{verdict, IndexerCall, IndexerClient};
 use crate::filter::metrics;
-use crate::filter::RouteError;
+use crate::filter::{ErrorKind, RouteError};
 use crate::host::CalloutRequest;
 use crate::policies::RandomSource;
 use crate::protocol::indexer::IndexerAnswer;
-use crate::registry::{Engine, LiveEngines};
+use crate::registry::{Engine, LiveEngines, Role};
 use crate::state::load_monitor::LoadView;
 use crate::state::prefix::{PrefixEvent, Tier};
 use crate::wiring::counters::Counter;
@@ -52,6 +52,14 @@ impl Target {
             Target::Plain(w) | Target::Pd { prefill: w, .. } => w,
         }
     }
+
+    /// The upstream engine's stage: plain, or decode.
+    pub fn upstream_stage(&self) -> Role {
+        match self {
+            Target::Plain(_) => Role::Plain,
+            Target::Pd { .. } => Role::Decode,
+        }
+    }
 }
 
 /// Where the filter sends a request, and what it tells the client about it.
@@ -82,6 +90,14 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The uncached tokens the upstream engine prefills: none when a prefill engine does them.
+    pub fn upstream_prefill_tokens(&self) -> u64 {
+        match self.target {
+            Target::Plain(_) => self.prefill_tokens,
+            Target::Pd { .. } => 0,
+        }
+    }
+
     /// The headers the filter adds to the response (spec §3).
     pub fn response_headers(&self) -> impl Iterator<Item = (&'static str, String)> + '_ {
         let prefill = match &self.target {
@@ -139,6 +155,9 @@ impl Ticket {
 pub struct Outcome {
     pub result: Result<Decision, RouteError>,
     pub counters: Vec<Counter>,
+    /// The ticket back when every compatible engine's admission refused it: it may wait for room
+    /// and be decided again (spec §9).
+    pub refused: Option<Ticket>,
 }
 
 /// What a decision is made with besides the request: the wiring every request shares.
@@ -160,7 +179,9 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         Ok(selection) => selection,
         Err(failure) => {
             let counters = metrics::failed(&failure).into_iter().chain(lookup_counter).collect();
-            return Outcome { counters, result: Err(failure.to_route_error()) };
+            let error = failure.to_route_error();
+            let refused = (error.kind == ErrorKind::AdmissionRejected).then_some(ticket);
+            return Outcome { counters, result: Err(error), refused };
         }
     };
     let mut counters = metrics::selected(&selection);
@@ -253,6 +274,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     };
     Outcome {
         counters,
+        refused: None,
         result: Ok(Decision {
             prefill_tokens: selection.input_tokens.saturating_sub(cached_tokens),
             bucket_id: selection.bucket_id,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::pd::{Flow, PdExchange, PrefillDone};
 use super::Decision;
 use crate::host::CalloutRequest;
-use crate::registry::{Engine, Role};
+use crate::registry::Engine;
 use crate::state::prefix::PrefixEvent;
 use crate::wiring::counters::Counter;
 use crate::wiring::upstream::UpstreamAnswer;
@@ -83,12 +83,11 @@ impl Exchange {
         let refused: Vec<Arc<Engine>> = std::iter::once(Arc::clone(self.decision.target.upstream()))
             .chain(self.decision.fallbacks[..position].iter().cloned())
             .collect();
-        let stage = if self.pd.is_some() { Role::Decode } else { Role::Plain };
-        let first = refused.first().map(|e| e.id.clone()).unwrap_or_default();
-        self.answered(&first, UpstreamAnswer::Failed, &mut effects);
-        for engine in refused.iter().skip(1) {
-            effects.results.push((engine.id.clone(), UpstreamAnswer::Failed));
-        }
+        let stage = self.decision.target.upstream_stage();
+        // The first refusal answers the upstream stage; the others go to their breakers.
+        let (first, others) = refused.split_first()?;
+        self.answered(&first.id, UpstreamAnswer::Failed, &mut effects);
+        effects.results.extend(others.iter().map(|e| (e.id.clone(), UpstreamAnswer::Failed)));
         effects.counters.extend(refused.iter().map(|_| Counter::Retry(stage)));
         self.decision.target.set_upstream(Arc::clone(&fallback));
         self.unanswered.push(fallback.id.clone());
