@@ -72,8 +72,9 @@ fn unfaithful_reason(flag: &str) -> Option<&'static str> {
         "--dp-aware" => "data-parallel-aware scheduling is not supported; give dp_size per worker",
         "--max-payload-size" => "the body limit is fixed at 32 MiB",
         "--enable-igw" | "--mini-lb" => "one router configuration serves every model; no mode switch is needed",
-        "--max-concurrent-requests" | "--queue-size" | "--queue-timeout-secs" | "--rate-limit-tokens-per-second" => {
-            "rate limiting belongs to Envoy's local rate limit filter"
+        "--max-concurrent-requests" | "--rate-limit-tokens-per-second" => {
+            "a router-wide concurrency or token rate limit belongs to Envoy's local rate limit filter; per-engine \
+             caps are admission limits (--max-in-flight)"
         }
         _ if flag.starts_with("--retry") => {
             "the router retries only a refused connection or a reset before response headers, at once, on the engine \
@@ -148,6 +149,7 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     let mut max_inflight: Option<u64> = None;
     let mut filter_overloaded = false;
     let mut retries_off = false;
+    let mut queue = serde_json::Map::new();
 
     // A refused --decode-policy was still given: no second refusal for the default it replaces.
     let decode_given = parsed.items.iter().any(|(flag, _)| *flag == "--decode-policy");
@@ -232,6 +234,16 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
                 }
                 "--disable-circuit-breaker" => breaker = None,
                 "--disable-retries" => retries_off = true,
+                "--queue-size" => match whole(flag, values)? {
+                    // sglang-router's 0: no queue.
+                    0 => {}
+                    n => {
+                        queue.insert("max_requests".into(), json!(n));
+                    }
+                },
+                "--queue-timeout-secs" => {
+                    queue.insert("max_wait_ms".into(), json!(seconds_ms(flag, values)?));
+                }
                 "--host" | "--port" => notes.push(format!(
                     "{flag} {}: the listener is Envoy's; pass it to `render --listen`",
                     values.join(" ")
@@ -329,6 +341,14 @@ pub fn translate(model: &str, args: &[String]) -> Result<Translation, TranslateE
     if retries_off {
         config["retry"] = json!({"attempts": 0});
     }
+    if queue.contains_key("max_requests") {
+        notes.push(
+            "--queue-size: sglang-router queues behind its router-wide concurrency limit; here a request waits \
+             when every engine's admission refuses it, so give engines caps (--max-in-flight)"
+                .to_string(),
+        );
+        config["queue"] = Value::Object(queue);
+    }
     Ok(Translation { config, notes, refused })
 }
 
@@ -382,6 +402,14 @@ mod tests {
             let c = ok(&format!("--worker-urls http://a:1 --policy {p}"));
             assert_eq!(c["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"]["type"], p);
         }
+    }
+
+    #[test]
+    fn queue_size_and_timeout_become_the_queue() {
+        let c = valid("--worker-urls http://a:1 --max-in-flight 2 --queue-size 64 --queue-timeout-secs 2.5");
+        assert_eq!(c["queue"], json!({"max_requests": 64, "max_wait_ms": 2500}));
+        let c = valid("--worker-urls http://a:1 --queue-size 0 --queue-timeout-secs 3");
+        assert!(c.get("queue").is_none(), "sglang-router's 0 is no queue");
     }
 
     #[test]
