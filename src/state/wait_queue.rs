@@ -9,8 +9,10 @@
 //!
 //! Across VMs: the first `v` entries may be tried, `v` the number of VMs with a request waiting, so
 //! each VM's next request can be tried as capacity frees; once the first entry has been first for
-//! [`HEAD_GRACE_MS`], it alone may be tried until it leaves. So no request is overtaken for longer
-//! than that by requests behind it, on any VM; only higher priorities and earlier rounds pass it.
+//! [`HEAD_GRACE_MS`], it alone may be tried for the next [`HEAD_HOLD_MS`]. So a request first in
+//! line is passed by requests behind it, on any VM, only in its first 20 ms there; only higher
+//! priorities and earlier rounds go before it. A first entry that cannot go within its hold (its VM
+//! died, or no bucket that fits it has room) stops holding the others back.
 
 use std::cmp::Reverse;
 
@@ -20,6 +22,9 @@ use crate::state::shared::{stable_hash, update};
 
 /// How long the first entry may be passed by the ones behind it (another VM's next tick).
 pub const HEAD_GRACE_MS: u64 = 20;
+
+/// How long, after its grace, the first entry alone may be tried.
+pub const HEAD_HOLD_MS: u64 = 500;
 
 /// Priorities are clamped to ±this: the order stays total and the stats' labels stay bounded.
 pub const PRIORITY_LIMIT: i64 = 100;
@@ -178,7 +183,8 @@ impl Board {
 
     /// The ids of `vm`'s entries that may be tried now, in order (see the module documentation).
     pub fn turns(&self, vm: u64, now_ms: u64) -> Vec<u32> {
-        let window = if now_ms.saturating_sub(self.head_since_ms) >= HEAD_GRACE_MS {
+        let first_for = now_ms.saturating_sub(self.head_since_ms);
+        let window = if (HEAD_GRACE_MS..HEAD_GRACE_MS + HEAD_HOLD_MS).contains(&first_for) {
             1
         } else {
             let mut vms: Vec<u64> = self.entries.iter().map(|e| e.vm).collect();
@@ -346,7 +352,7 @@ mod tests {
     }
 
     #[test]
-    fn each_vm_may_try_its_next_until_the_first_has_waited_its_grace() {
+    fn each_vm_may_try_its_next_but_a_first_past_its_grace_holds_the_others() {
         let host = MemoryHost::default();
         join(&host, "m", &joining(1, 10, 0, 0), 16).unwrap();
         join(&host, "m", &joining(1, 11, 0, 0), 16).unwrap();
@@ -359,10 +365,12 @@ mod tests {
         leave(&host, "m", 1, 10, true).unwrap();
         let board = read(&host, "m").unwrap();
         assert_eq!(board.turns(2, now), [20]);
-        // The first has been first for the grace: it alone may be tried.
+        // The first has been first for the grace: it alone may be tried, for its hold.
         let later = now + HEAD_GRACE_MS;
         assert_eq!(board.turns(1, later), [11]);
         assert!(board.turns(2, later).is_empty());
+        let stuck = later + HEAD_HOLD_MS;
+        assert_eq!(board.turns(2, stuck), [20], "a first that cannot go stops holding the others back");
     }
 
     #[test]
