@@ -72,6 +72,13 @@ pub struct Args {
     /// Fixed workload: body size.
     #[arg(long, default_value_t = 4096)]
     pub body_bytes: usize,
+    /// This fraction of the requests, evenly spaced, carries `x-sgl-priority: 1`; the report then
+    /// gives each class its own summary.
+    #[arg(long, default_value_t = 0.0)]
+    pub high_fraction: f64,
+    /// Goodput counts the requests completed with their first token within this many ms.
+    #[arg(long)]
+    pub slo_ttft_ms: Option<f64>,
     /// Simulator base URLs whose cache hit rates are read after the run.
     #[arg(long, value_delimiter = ',')]
     pub sims: Vec<String>,
@@ -97,7 +104,8 @@ async fn main() {
             let (client, workload, samples, args) = (client.clone(), workload.clone(), samples.clone(), args.clone());
             async move {
                 let Some(request) = workload.lock().await.next() else { return false };
-                let sample = send(&client, &args.url, &request, args.stream).await;
+                let mut sample = send(&client, &args.url, &request, args.stream).await;
+                sample.class = request.class;
                 workload.lock().await.finished(&request, &sample);
                 samples.lock().await.push(sample);
                 true
@@ -142,7 +150,13 @@ async fn main() {
         "offered_rate": args.rate,
         "concurrency": args.rate.is_none().then_some(args.concurrency),
         "elapsed_s": elapsed,
-        "summary": measure::summarize(&samples, elapsed),
+        "summary": measure::summarize(&samples, elapsed, args.slo_ttft_ms),
+        "by_class": (args.high_fraction > 0.0).then(|| {
+            json!({
+                "high": measure::summarize(&samples.iter().filter(|s| s.class == "high").cloned().collect::<Vec<_>>(), elapsed, args.slo_ttft_ms),
+                "low": measure::summarize(&samples.iter().filter(|s| s.class == "low").cloned().collect::<Vec<_>>(), elapsed, args.slo_ttft_ms),
+            })
+        }),
         "cache": cache,
     });
     println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());

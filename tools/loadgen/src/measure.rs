@@ -17,6 +17,8 @@ pub struct Sample {
     pub itl_ms: Option<f64>,
     pub e2e_ms: f64,
     pub chunks: u64,
+    /// The request's class (see `Request::class`).
+    pub class: &'static str,
 }
 
 pub async fn send(client: &reqwest::Client, url: &str, request: &Request, stream: bool) -> Sample {
@@ -34,6 +36,7 @@ pub async fn send(client: &reqwest::Client, url: &str, request: &Request, stream
         itl_ms: None,
         e2e_ms: started.elapsed().as_secs_f64() * 1e3,
         chunks: 0,
+        class: "",
     };
     let response = match builder.send().await {
         Ok(r) => r,
@@ -47,7 +50,7 @@ pub async fn send(client: &reqwest::Client, url: &str, request: &Request, stream
     if !stream {
         let ok = response.bytes().await.is_ok();
         let ms = started.elapsed().as_secs_f64() * 1e3;
-        return Sample { ok, status, ttft_ms: ms, itl_ms: None, e2e_ms: ms, chunks: 1 };
+        return Sample { ok, status, ttft_ms: ms, itl_ms: None, e2e_ms: ms, chunks: 1, class: "" };
     }
     let mut first: Option<f64> = None;
     let mut last = 0.0;
@@ -82,7 +85,7 @@ pub async fn send(client: &reqwest::Client, url: &str, request: &Request, stream
     let e2e = started.elapsed().as_secs_f64() * 1e3;
     let ttft = first.unwrap_or(e2e);
     let itl = (chunks > 1).then(|| (last - ttft) / (chunks - 1) as f64);
-    Sample { ok: done, status, ttft_ms: ttft, itl_ms: itl, e2e_ms: e2e, chunks }
+    Sample { ok: done, status, ttft_ms: ttft, itl_ms: itl, e2e_ms: e2e, chunks, class: "" }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
@@ -99,8 +102,10 @@ fn stats(mut values: Vec<f64>) -> Value {
     json!({"p50": percentile(&values, 50.0), "p90": percentile(&values, 90.0), "p99": percentile(&values, 99.0), "mean": mean})
 }
 
-pub fn summarize(samples: &[Sample], elapsed_s: f64) -> Value {
+/// `slo_ttft_ms`: goodput counts the completed requests whose first token came within it.
+pub fn summarize(samples: &[Sample], elapsed_s: f64, slo_ttft_ms: Option<f64>) -> Value {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let within = slo_ttft_ms.map(|slo| ok.iter().filter(|s| s.ttft_ms <= slo).count());
     let mut by_status = std::collections::BTreeMap::<String, u64>::new();
     for s in samples.iter().filter(|s| !s.ok) {
         *by_status.entry(if s.status == 0 { "connection".to_string() } else { s.status.to_string() }).or_default() += 1;
@@ -111,6 +116,8 @@ pub fn summarize(samples: &[Sample], elapsed_s: f64) -> Value {
         "succeeded": ok.len(),
         "errors": samples.len() - ok.len(),
         "requests_per_s": ok.len() as f64 / elapsed_s.max(1e-9),
+        "within_slo": within,
+        "goodput_per_s": within.map(|n| n as f64 / elapsed_s.max(1e-9)),
         "output_chunks_per_s": ok.iter().map(|s| s.chunks).sum::<u64>() as f64 / elapsed_s.max(1e-9),
         "ttft_ms": stats(ok.iter().map(|s| s.ttft_ms).collect()),
         "itl_ms": stats(ok.iter().filter_map(|s| s.itl_ms).collect()),

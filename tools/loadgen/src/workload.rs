@@ -17,6 +17,8 @@ const TURNS_PER_SESSION: usize = 6;
 pub struct Request {
     pub body: Value,
     pub headers: Vec<(String, String)>,
+    /// `high` for the requests marked with a priority (`--high-fraction`), else `low`.
+    pub class: &'static str,
     session: Option<usize>,
 }
 
@@ -41,6 +43,7 @@ pub struct Workload {
     short_tokens: usize,
     long_tokens: usize,
     body_bytes: usize,
+    high_fraction: f64,
     rng: Xoshiro256PlusPlus,
     sent: u64,
 }
@@ -83,6 +86,7 @@ impl Workload {
             short_tokens: args.short_tokens,
             long_tokens: args.long_tokens,
             body_bytes: args.body_bytes,
+            high_fraction: args.high_fraction,
             rng: Xoshiro256PlusPlus::seed_from_u64(args.seed),
             sent: 0,
         }
@@ -92,7 +96,18 @@ impl Workload {
         json!({"model": self.model, "messages": messages, "max_tokens": self.output_tokens})
     }
 
+    /// The next request; evenly spaced ones of every `1 / high_fraction` carry `x-sgl-priority: 1`.
     pub fn next(&mut self) -> Option<Request> {
+        let mut request = self.next_body()?;
+        let n = self.sent as f64;
+        if (n * self.high_fraction).floor() != ((n - 1.0) * self.high_fraction).floor() {
+            request.class = "high";
+            request.headers.push(("x-sgl-priority".into(), "1".into()));
+        }
+        Some(request)
+    }
+
+    fn next_body(&mut self) -> Option<Request> {
         if self.left == 0 {
             return None;
         }
@@ -105,6 +120,7 @@ impl Workload {
                 Request {
                     body: self.chat(vec![json!({"role": "user", "content": content})]),
                     headers: vec![],
+                    class: "low",
                     session: None,
                 }
             }
@@ -114,6 +130,7 @@ impl Workload {
                 Request {
                     body: self.chat(vec![json!({"role": "user", "content": text(seed, tokens)})]),
                     headers: vec![],
+                    class: "low",
                     session: None,
                 }
             }
@@ -141,6 +158,7 @@ impl Workload {
                 Request {
                     body: self.chat(messages),
                     headers: vec![("x-session-id".into(), session_id)],
+                    class: "low",
                     session: Some(index),
                 }
             }
