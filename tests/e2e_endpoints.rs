@@ -215,8 +215,12 @@ fn every_metric_the_grafana_dashboard_reads_is_one_envoy_exports() {
     names.dedup();
     assert!(names.len() >= 10, "{names:?}");
     // Counted only when their event happens (a rejection, an indexer answer, failover or notice, a
-    // retry, an abort; `e2e_replicas` and `e2e_live` see those exported).
+    // retry, an abort, a wait in the queue; `e2e_replicas`, `e2e_live` and `e2e_queue` see those
+    // exported).
     let on_events = [
+        "sgl_router_queue_depth",
+        "sgl_router_queue_rejections_total",
+        "sgl_router_queue_wait_ms_bucket",
         "sgl_router_admission_rejections_total",
         "sgl_router_prefix_lookups_total",
         "sgl_router_indexer_queries_total",
