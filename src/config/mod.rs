@@ -158,6 +158,9 @@ mod tests {
         v["models"]["m"]["queue"] = json!({"max_wait_ms": 600_001, "priority_header": "X-Bad"});
         has_error(v.clone(), "models.m.queue.max_wait_ms", "between 1 and 600000");
         has_error(v.clone(), "models.m.queue.priority_header", "lowercase");
+        v["models"]["m"]["queue"] = json!({"max_wait_ms": 60_000});
+        v["timeouts"] = json!({"stream_idle_ms": 60_000});
+        has_error(v.clone(), "models.m.queue.max_wait_ms", "stream_idle_ms");
         v["models"]["m"]["queue"] = json!({"max_wait": 1});
         assert!(!errors(v).is_empty(), "unknown fields are refused");
     }

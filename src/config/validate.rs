@@ -198,7 +198,7 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     positive(errors, "tokens.bytes_per_token", config.tokens.bytes_per_token);
     positive(errors, "affinity_sweep_ms", config.affinity_sweep_ms);
     if let Some(queue) = &config.queue {
-        validate_queue("queue", queue, errors);
+        validate_queue("queue", queue, config, errors);
     }
     if let Some(attempts) = config.retry.attempts {
         if attempts > MAX_RETRY_ATTEMPTS {
@@ -245,7 +245,7 @@ fn validate_models(config: &RouterConfig, workers: &HashMap<&str, (&str, Role)>,
         }
         positive(errors, &format!("{path}.session_idle_ms"), model.session_idle_ms);
         if let Some(queue) = &model.queue {
-            validate_queue(&format!("{path}.queue"), queue, errors);
+            validate_queue(&format!("{path}.queue"), queue, config, errors);
         }
         positive(errors, &format!("{path}.sticky_idle_ms"), model.sticky_idle_ms);
         if model.buckets.is_empty() {
@@ -419,7 +419,7 @@ impl GroupCheck<'_, '_> {
     }
 }
 
-fn validate_queue(path: &str, queue: &QueueConfig, errors: &mut Vec<ConfigError>) {
+fn validate_queue(path: &str, queue: &QueueConfig, config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     if !(1..=MAX_QUEUE_REQUESTS).contains(&queue.max_requests) {
         errors.push(ConfigError::new(
             format!("{path}.max_requests"),
@@ -430,6 +430,14 @@ fn validate_queue(path: &str, queue: &QueueConfig, errors: &mut Vec<ConfigError>
         errors.push(ConfigError::new(
             format!("{path}.max_wait_ms"),
             format!("between 1 and {MAX_QUEUE_WAIT_MS}, got {}", queue.max_wait_ms),
+        ));
+    }
+    // A waiting request sends nothing upstream: Envoy would end it as idle before its wait did.
+    let idle = config.timeouts.stream_idle_ms;
+    if idle > 0 && queue.max_wait_ms >= idle {
+        errors.push(ConfigError::new(
+            format!("{path}.max_wait_ms"),
+            format!("must be below timeouts.stream_idle_ms ({idle}), which would end a waiting request first"),
         ));
     }
     for (field, value) in [("priority_header", &queue.priority_header), ("tenant_header", &queue.tenant_header)] {
