@@ -193,6 +193,13 @@ impl AppContext {
         self.handles.counters.take(self.handles.host.now_ms())
     }
 
+    /// Exchanges in-flight counts with the other VMs now, whatever is due: a waiting request's
+    /// turn decides on the freshest counts, and its dispatch is told at once, so two VMs seldom
+    /// fill one freed slot twice.
+    pub fn exchange_counts_now(&self) {
+        self.handles.inflight.sync();
+    }
+
     fn hold_stale_health_reads(&self) {
         let stale = self.availability.take_stale_reads();
         if stale > 0 {

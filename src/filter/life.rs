@@ -421,8 +421,13 @@ impl RequestLife {
     /// when every engine refused it, and an arrival waits behind requests already waiting.
     fn decide(&mut self, app: &AppContext, held: Held, ticket: Ticket, started_us: u64, out: &mut Actions) {
         let queue = app.config().queue_for(&ticket.facts.model);
-        if queue.is_some() && app.waiting().occupied(&ticket.facts.model) {
-            return self.wait(app, held, ticket, None, out);
+        if queue.is_some() {
+            if app.waiting().occupied(&ticket.facts.model) {
+                return self.wait(app, held, ticket, None, out);
+            }
+            // A model with a queue relies on its caps: its arrivals decide on fresh counts and
+            // tell theirs at once, so two VMs seldom fill one free slot twice in a burst.
+            app.exchange_counts_now();
         }
         let outcome = app.decide(ticket);
         out.push(Action::Observe(Cow::Borrowed(SELECTION_US), app.monotonic_us().saturating_sub(started_us)));
@@ -432,7 +437,13 @@ impl RequestLife {
                 app.count(outcome.counters.into_iter().filter(|c| !matches!(c, Counter::Outcome(_))));
                 self.wait(app, held, ticket, Some(error), out)
             }
-            (result, _) => self.conclude(app, held, outcome.counters, result, out),
+            (result, _) => {
+                let dispatched = result.is_ok();
+                self.conclude(app, held, outcome.counters, result, out);
+                if dispatched && queue.is_some() {
+                    app.exchange_counts_now();
+                }
+            }
         }
     }
 
@@ -506,7 +517,7 @@ impl RequestLife {
             return self.fail(app, &timed_out(&model, max_wait_ms), out);
         }
         // Room freed on another VM shows in its counts.
-        Self::sync(app, out);
+        app.exchange_counts_now();
         let started_us = app.monotonic_us();
         let outcome = app.decide(ticket);
         match (outcome.result, outcome.refused) {
@@ -519,11 +530,15 @@ impl RequestLife {
                 app.waiting().leave(self.id, result.is_ok());
                 let selection_us = app.monotonic_us().saturating_sub(started_us);
                 out.push(Action::Observe(Cow::Borrowed(SELECTION_US), selection_us));
-                if result.is_ok() {
+                let dispatched = result.is_ok();
+                if dispatched {
                     let waited = app.now_ms().saturating_sub(since_ms);
                     out.push(Action::Observe(Cow::Owned(queue_wait_ms(priority)), waited));
                 }
-                self.conclude(app, held, outcome.counters, result, out)
+                self.conclude(app, held, outcome.counters, result, out);
+                if dispatched {
+                    app.exchange_counts_now();
+                }
             }
         }
     }
