@@ -193,11 +193,15 @@ impl AppContext {
         self.handles.counters.take(self.handles.host.now_ms())
     }
 
-    /// Exchanges in-flight counts with the other VMs now, whatever is due: a waiting request's
-    /// turn decides on the freshest counts, and its dispatch is told at once, so two VMs seldom
-    /// fill one freed slot twice.
+    /// Exchanges in-flight counts with the other VMs now, whatever is due: a decision that
+    /// relies on the caps (a model with a queue) is made on the freshest counts.
     pub fn exchange_counts_now(&self) {
         self.handles.inflight.sync();
+    }
+
+    /// Tells the other VMs this VM's dispatch at once, so two VMs seldom fill one slot twice.
+    pub fn publish_counts_now(&self) {
+        self.handles.inflight.publish_now();
     }
 
     fn hold_stale_health_reads(&self) {

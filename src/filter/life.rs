@@ -441,7 +441,7 @@ impl RequestLife {
                 let dispatched = result.is_ok();
                 self.conclude(app, held, outcome.counters, result, out);
                 if dispatched && queue.is_some() {
-                    app.exchange_counts_now();
+                    app.publish_counts_now();
                 }
             }
         }
@@ -537,7 +537,7 @@ impl RequestLife {
                 }
                 self.conclude(app, held, outcome.counters, result, out);
                 if dispatched {
-                    app.exchange_counts_now();
+                    app.publish_counts_now();
                 }
             }
         }

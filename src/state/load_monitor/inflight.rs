@@ -57,6 +57,8 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn now_ms(&self) -> u64;
     /// Exchanges this router's counts with the other VMs' (a table that is not shared: nothing).
     fn sync(&self) {}
+    /// Tells the other VMs this router's counts now, if they changed; reads nothing.
+    fn publish_now(&self) {}
     /// [`Self::sync`] if the last one is older than the table's period: called on the request
     /// path, so the exchange keeps pace with traffic and costs nothing while there is none.
     fn sync_if_due(&self) {}

@@ -383,6 +383,10 @@ impl InflightTable for SharedInflight {
         }
     }
 
+    fn publish_now(&self) {
+        self.publish(self.host.now_ms());
+    }
+
     /// Publishes this VM's records if they changed, then reads every other live VM's.
     fn sync(&self) {
         let now = self.host.now_ms();
