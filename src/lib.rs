@@ -12,7 +12,8 @@
 //!   paths, refusal of dropped options, and the tools' file loader. It builds nothing.
 //! - [`protocol`]: wire formats shared with processes outside Envoy (the indexer's), serde only.
 //! - [`state`]: everything shared between VMs: reported load and in-flight counts, health and
-//!   breakers, affinity bindings, the router's prefix index and its replicated log.
+//!   breakers, affinity bindings, the router's prefix index and its replicated log, each model's
+//!   waiting queue.
 //! - [`policies`]: the [`policies::Policy`] contract, admission, and one file per policy, named as
 //!   the configuration names it.
 //! - [`buckets`]: [`buckets::BucketResolver`], [`buckets::Bucket`], [`buckets::EngineGroup`].
@@ -20,7 +21,8 @@
 //!   instances and state handles; the stat counters; the upstream header and answer.
 //! - [`filter`]: the request side: the route table, a request's life ([`filter::life`]: one
 //!   synchronous state machine from its headers to its stream's end), the generation endpoints'
-//!   preparation, bucket loop, decision and PD exchange, the indexer's client, HTTP errors.
+//!   preparation, bucket loop, decision and PD exchange, the VM's waiting room, the indexer's
+//!   client, HTTP errors.
 //! - [`service`]: the singleton's core: polls engines, owns the authoritative tables.
 //! - `proxy` (wasm32 only): the proxy-wasm glue. Each hook asks the core and maps the actions it
 //!   gets back to host calls; it holds no decision.
