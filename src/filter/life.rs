@@ -474,7 +474,7 @@ impl RequestLife {
         let Some(config) = app.config().queue_for(&model) else { return };
         let (max_wait_ms, header) = (config.max_wait_ms, |name: &str| held.header(name));
         let priority = super::queue::priority(config, &header);
-        match app.waiting().join(self.id, &model, config, &header) {
+        match app.waiting().join(self.id, &model, config, priority, &header) {
             Some(Ok(place)) => {
                 let queued = Queued {
                     held,

@@ -19,7 +19,6 @@ pub const RETRY_AFTER_S: u64 = 1;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Place {
     pub model: Arc<str>,
-    pub priority: i32,
     pub deadline_ms: u64,
     /// It may be tried at once: it is among its model's first.
     pub turn: bool,
@@ -79,16 +78,17 @@ impl WaitingRoom {
         wait_queue::read(self.host.as_ref(), model).map(|board| board.len()).unwrap_or(0)
     }
 
-    /// Stream `id` joins `model`'s queue. A full queue is a 429 `queue_full`; a queue that cannot be
-    /// read or written is `None`: the request is answered as it would be without one.
+    /// Stream `id` joins `model`'s queue at `priority` ([`priority`]). A full queue is a 429
+    /// `queue_full`; a queue that cannot be read or written is `None`: the request is answered as
+    /// it would be without one.
     pub fn join(
         &self,
         id: u32,
         model: &str,
         config: &QueueConfig,
+        priority: i32,
         header: &dyn Fn(&str) -> Option<String>,
     ) -> Option<Result<Place, RouteError>> {
-        let priority = priority(config, header);
         let deadline_ms = self.host.now_ms().saturating_add(config.max_wait_ms);
         let tenant = tenant(&header(&config.tenant_header).unwrap_or_default());
         let joining = Joining { vm: self.vm, id, priority, tenant, deadline_ms };
@@ -98,7 +98,7 @@ impl WaitingRoom {
                 let model: Arc<str> = Arc::from(model);
                 self.with(|w| w.insert(id, Waiter { model: Arc::clone(&model), deadline_ms }));
                 let turn = board.turns(self.vm, self.host.now_ms()).contains(&id);
-                Some(Ok(Place { model, priority, deadline_ms, turn }))
+                Some(Ok(Place { model, deadline_ms, turn }))
             }
             Err(JoinError::Full(n)) => Some(Err(RouteError::new(
                 ErrorKind::QueueFull,
@@ -170,9 +170,9 @@ mod tests {
     fn rooms_of_two_vms_share_one_order_and_each_wakes_its_own() {
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
         let (a, b) = (WaitingRoom::new(Arc::clone(&host), 1), WaitingRoom::new(Arc::clone(&host), 2));
-        let place = a.join(10, "m", &config(8), &headers("0", "t")).unwrap().unwrap();
-        assert!(place.turn && place.priority == 0);
-        let place = b.join(20, "m", &config(8), &headers("7", "t")).unwrap().unwrap();
+        let place = a.join(10, "m", &config(8), 0, &headers("0", "t")).unwrap().unwrap();
+        assert!(place.turn);
+        let place = b.join(20, "m", &config(8), 7, &headers("7", "t")).unwrap().unwrap();
         assert!(place.turn, "the higher priority goes first, on the other VM");
         assert_eq!(b.turns(), [20]);
         assert_eq!(a.turns(), [10], "two VMs wait: each may try its first");
@@ -188,9 +188,9 @@ mod tests {
         let memory = Arc::new(MemoryHost::default());
         let host: Arc<dyn Host> = Arc::clone(&memory) as Arc<dyn Host>;
         let room = WaitingRoom::new(host, 1);
-        room.join(1, "m", &config(2), &headers("x", "")).unwrap().unwrap();
-        room.join(2, "m", &config(2), &headers("-3", "")).unwrap().unwrap();
-        let full = room.join(3, "m", &config(2), &headers("0", "")).unwrap().unwrap_err();
+        room.join(1, "m", &config(2), 0, &headers("x", "")).unwrap().unwrap();
+        room.join(2, "m", &config(2), -3, &headers("-3", "")).unwrap().unwrap();
+        let full = room.join(3, "m", &config(2), 0, &headers("0", "")).unwrap().unwrap_err();
         assert_eq!((full.status(), full.kind), (429, ErrorKind::QueueFull));
         assert_eq!(room.turns(), [1], "one VM waits: only the first may be tried");
         memory.advance_ms(100);
