@@ -40,6 +40,7 @@ use super::models::{list_models, retrieve_model};
 use super::queue::{timed_out, QueueExit, RETRY_AFTER_S};
 use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
+use crate::config::QueueConfig;
 use crate::host::CalloutRequest;
 use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::Role;
@@ -421,9 +422,9 @@ impl RequestLife {
     /// when every engine refused it, and an arrival waits behind requests already waiting.
     fn decide(&mut self, app: &AppContext, held: Held, ticket: Ticket, started_us: u64, out: &mut Actions) {
         let queue = app.config().queue_for(&ticket.facts.model);
-        if queue.is_some() {
+        if let Some(config) = queue {
             if app.waiting().occupied(&ticket.facts.model) {
-                return self.wait(app, held, ticket, None, out);
+                return self.wait(app, config, held, ticket, None, out);
             }
             // A model with a queue relies on its caps: its arrivals decide on fresh counts and
             // tell theirs at once, so two VMs seldom fill one free slot twice in a burst.
@@ -431,13 +432,13 @@ impl RequestLife {
         }
         let outcome = app.decide(ticket);
         out.push(Action::Observe(Cow::Borrowed(SELECTION_US), app.monotonic_us().saturating_sub(started_us)));
-        match (outcome.result, outcome.refused) {
-            (Err(error), Some(ticket)) if queue.is_some() => {
+        match (outcome.result, outcome.refused, queue) {
+            (Err(error), Some(ticket), Some(config)) => {
                 // The refusals are counted; the outcome is the wait's.
                 app.count(outcome.counters.into_iter().filter(|c| !matches!(c, Counter::Outcome(_))));
-                self.wait(app, held, ticket, Some(error), out)
+                self.wait(app, config, held, ticket, Some(error), out)
             }
-            (result, _) => {
+            (result, _, _) => {
                 let dispatched = result.is_ok();
                 self.conclude(app, held, outcome.counters, result, out);
                 if dispatched && queue.is_some() {
@@ -469,9 +470,16 @@ impl RequestLife {
     /// Joins the model's queue; `refusal` is the error a refused request answers with should the
     /// queue be out of reach. A request that joined behind others is tried at once when it is among
     /// the first.
-    fn wait(&mut self, app: &AppContext, held: Held, ticket: Ticket, refusal: Option<RouteError>, out: &mut Actions) {
+    fn wait(
+        &mut self,
+        app: &AppContext,
+        config: &QueueConfig,
+        held: Held,
+        ticket: Ticket,
+        refusal: Option<RouteError>,
+        out: &mut Actions,
+    ) {
         let model = ticket.facts.model.clone();
-        let Some(config) = app.config().queue_for(&model) else { return };
         let (max_wait_ms, header) = (config.max_wait_ms, |name: &str| held.header(name));
         let priority = super::queue::priority(config, &header);
         match app.waiting().join(self.id, &model, config, priority, &header) {
