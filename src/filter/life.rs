@@ -45,7 +45,7 @@ use crate::host::CalloutRequest;
 use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::Role;
 use crate::state::load_monitor::InflightGuard;
-use crate::wiring::counters::{queue_wait_ms, Bumps, Counter, IndexerEvent, SELECTION_US};
+use crate::wiring::counters::{queue_wait_ms, Bumps, Counter, IndexerEvent, INDEXER_WAIT_US, SELECTION_US};
 
 /// What the glue does for the core, in order.
 #[derive(Debug, PartialEq)]
@@ -401,6 +401,7 @@ impl RequestLife {
 
     fn indexer_done(&mut self, app: &AppContext, awaiting: Awaiting, answer: IndexerAnswer, out: &mut Actions) {
         let Awaiting { held, mut ticket, mut call, started_us, .. } = awaiting;
+        out.push(Action::Observe(Cow::Borrowed(INDEXER_WAIT_US), app.monotonic_us().saturating_sub(started_us)));
         app.count(call.take_counters());
         // Its in-flight slot is given back before the selection runs.
         drop(call);

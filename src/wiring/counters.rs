@@ -10,6 +10,8 @@ use crate::state::schedule::Batched;
 use crate::state::wait_queue::QueueExit;
 
 pub const SELECTION_US: &str = "sgl_router_selection_us";
+/// From sending the indexer callout to its answer or its last failure, failovers included.
+pub const INDEXER_WAIT_US: &str = "sgl_router_indexer_wait_us";
 
 /// A label value safe inside a dotted metric name.
 pub fn label(value: &str) -> String {

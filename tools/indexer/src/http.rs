@@ -27,6 +27,7 @@ use crate::events::Medium;
 use crate::index::EngineMatch;
 use crate::replicas::{ClaimRequest, Registration, CLAIM_PATH, HANDLES_PATH};
 use crate::state::{App, Routed};
+use crate::timing::{Clock, Phase};
 use crate::tokenize::TokenizeError;
 use tower_http::catch_panic::{CatchPanicLayer, ResponseForPanic};
 
@@ -161,6 +162,7 @@ async fn query(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> 
 
 async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     let deadline = app.deadline();
+    let mut clock = Clock::default();
     let chat: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
         Ok(_) => return error(&app, StatusCode::BAD_REQUEST, "the body must be a JSON object"),
@@ -169,6 +171,7 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
     let Some(model) = chat.get("model").and_then(Value::as_str).map(str::to_string) else {
         return error(&app, StatusCode::BAD_REQUEST, "`model` is required");
     };
+    clock.lap(Phase::Parse);
     let _permit = match permit(&app, deadline).await {
         Ok(p) => p,
         Err(busy) => return busy,
@@ -176,13 +179,14 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
     // Tokenizing is CPU work: off the async workers, so events and routed notices keep flowing.
     let (worker_app, worker_model) = (Arc::clone(&app), model.clone());
     let tokenized = tokio::task::spawn_blocking(move || {
-        let tokens = worker_app.tokenize_chat(&worker_model, &chat, Some(deadline));
-        (tokens, chat)
+        clock.lap(Phase::Queue);
+        let tokens = worker_app.tokenize_chat(&worker_model, &chat, Some(deadline), &mut clock);
+        (tokens, chat, clock)
     })
     .await;
-    let (tokens, chat) = match tokenized {
-        Ok((Ok(t), chat)) => (t, chat),
-        Ok((Err(e), _)) => {
+    let (tokens, chat, mut clock) = match tokenized {
+        Ok((Ok(t), chat, clock)) => (t, chat, clock),
+        Ok((Err(e), _, _)) => {
             if matches!(e, TokenizeError::Abandoned) {
                 app.stats.abandoned.fetch_add(1, Ordering::Relaxed);
             }
@@ -195,11 +199,23 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
             return error(&app, StatusCode::INTERNAL_SERVER_ERROR, "the tokenizer failed on this request");
         }
     };
+    // Handing the answer back to an async worker is queueing too.
+    clock.lap(Phase::Queue);
     let salt = chat.get("cache_salt").and_then(Value::as_str);
     let lora = chat.get("lora_path").and_then(Value::as_str);
-    match app.match_tokens(&model, &tokens, lora, salt, will_notify(&headers)).await {
-        Some((matches, handle)) => Json(answer(Some(tokens.len() as u64), matches, handle)).into_response(),
-        None => error(&app, StatusCode::NOT_FOUND, format!("model `{model}` has no index")),
+    let Some((matches, handle)) = app.match_tokens(&model, &tokens, lora, salt, will_notify(&headers)).await else {
+        return error(&app, StatusCode::NOT_FOUND, format!("model `{model}` has no index"));
+    };
+    clock.lap(Phase::Match);
+    let answer = serde_json::to_vec(&answer(Some(tokens.len() as u64), matches, handle));
+    clock.lap(Phase::Answer);
+    app.stats.phases.add(&clock);
+    match answer {
+        Ok(body) => {
+            let headers = [("content-type", "application/json".to_string()), ("server-timing", clock.server_timing())];
+            (headers, body).into_response()
+        }
+        Err(e) => error(&app, StatusCode::INTERNAL_SERVER_ERROR, format!("the answer did not encode: {e}")),
     }
 }
 

@@ -14,6 +14,7 @@ use crate::events::EventBatch;
 use crate::index::{block_keys, Counters, EngineMatch, Index};
 use crate::replicas::{ClaimAnswer, ClaimRequest, Registration, Replicas};
 use crate::snapshot::{self, PageView, RankView, Snapshot};
+use crate::timing::{Clock, Phase, PhaseTotals};
 use crate::tokenize::{ModelTokenizer, TokenizeError};
 
 /// Queries that tokenize or match at once, by default (`--max-concurrent`): the work is CPU, so
@@ -142,6 +143,8 @@ pub struct Stats {
     pub registrations_dropped: AtomicU64,
     /// Claims decided here because the replica arbitrating them did not answer.
     pub arbiter_failures: AtomicU64,
+    /// Where chat matches spent their time.
+    pub phases: PhaseTotals,
 }
 
 macro_rules! counter {
@@ -251,12 +254,17 @@ impl App {
         model: &str,
         chat: &serde_json::Value,
         deadline: Option<Instant>,
+        clock: &mut Clock,
     ) -> Result<Vec<u32>, TokenizeError> {
         if !self.serves(model) {
             return Err(TokenizeError::UnknownModel(model.to_string()));
         }
         let tokenizer = self.tokenizers.get(model).ok_or_else(|| TokenizeError::NoTokenizer(model.to_string()))?;
-        tokenizer.tokenize_chat_until(chat, deadline)
+        let prompt = tokenizer.render(chat);
+        clock.lap(Phase::Render);
+        let tokens = tokenizer.encode_until(&prompt?, deadline);
+        clock.lap(Phase::Encode);
+        tokens
     }
 
     pub fn new(config: RouterConfig, budget: MemoryBudget) -> Self {
@@ -722,6 +730,7 @@ impl App {
         for (name, help, value) in index_counters {
             line(name, help, "counter", value);
         }
+        out.push_str(&s.phases.metrics());
         out.push_str(
             "# HELP sgl_indexer_rank_warm engine ranks holding entries, by where they first came from \
              (replay: the engine's buffer at subscription; peer: a replica's snapshot; live: events)\n\
