@@ -31,6 +31,10 @@ use crate::timing::{Clock, Phase};
 use crate::tokenize::TokenizeError;
 use tower_http::catch_panic::{CatchPanicLayer, ResponseForPanic};
 
+/// Chat bodies up to this size are tokenized on the async worker that read them (a first encode
+/// of this many bytes takes about a millisecond); larger ones on a blocking thread.
+pub const INLINE_TOKENIZE_BYTES: usize = 16 << 10;
+
 /// A running indexer's whole view (`sgl-indexer --peer`).
 pub const SNAPSHOT_PATH: &str = "/v1/snapshot";
 
@@ -176,14 +180,16 @@ async fn prefix_match(State(app): State<Arc<App>>, headers: HeaderMap, body: Byt
         Ok(p) => p,
         Err(busy) => return busy,
     };
-    // Tokenizing is CPU work: off the async workers, so events and routed notices keep flowing.
     let (worker_app, worker_model) = (Arc::clone(&app), model.clone());
-    let tokenized = tokio::task::spawn_blocking(move || {
+    let tokenize = move || {
         clock.lap(Phase::Queue);
         let tokens = worker_app.tokenize_chat(&worker_model, &chat, Some(deadline), &mut clock);
         (tokens, chat, clock)
-    })
-    .await;
+    };
+    // A long prompt's tokenizing is CPU work: off the async workers, so events and routed notices
+    // keep flowing. A short one costs less than the hand-off to a blocking thread and back.
+    let tokenized =
+        if body.len() <= INLINE_TOKENIZE_BYTES { Ok(tokenize()) } else { tokio::task::spawn_blocking(tokenize).await };
     let (tokens, chat, mut clock) = match tokenized {
         Ok((Ok(t), chat, clock)) => (t, chat, clock),
         Ok((Err(e), _, _)) => {

@@ -157,6 +157,11 @@ async fn main() -> ExitCode {
         }
     };
     eprintln!("sgl-indexer listening on {}", args.listen);
+    // Answers are small and the filter waits on each: nothing should hold them back for a
+    // delayed ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     match axum::serve(listener, http::router(app)).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
