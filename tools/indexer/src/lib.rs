@@ -2,7 +2,7 @@
 //! (`subscriber`), decoded from SGLang's and vLLM's wire formats (`events`) into one index per
 //! model keyed by the indexer's own chained block keys (`index`), every engine byte passing a
 //! loopback frame guard first (`relay`); chat bodies are rendered with the model's chat template
-//! and tokenized as the engine does (`tokenize`); `http`
+//! and tokenized as the engine does (`tokenize`, long new pieces fast by `pretokenize`); `http`
 //! answers the filter and anyone else, timing each phase (`timing`). `state` holds what they
 //! share. Replicas of `prefix_index.urls` agree claims and match handles (`replicas`), and a
 //! replica starting late loads a running one's view (`snapshot`) before it warms each rank up from
@@ -18,6 +18,7 @@ pub mod claims;
 pub mod events;
 pub mod http;
 pub mod index;
+pub mod pretokenize;
 pub mod relay;
 pub mod replicas;
 pub mod snapshot;

@@ -15,8 +15,11 @@ use std::time::Instant;
 
 use axum::http::StatusCode;
 use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use rayon::prelude::*;
 use serde_json::Value;
 use tokenizers::Tokenizer;
+
+use crate::pretokenize::{cut_points, parts_for, Shape, WordEncoder};
 
 /// Bytes a model's piece cache holds by default (its text, its ids and the entry); past its
 /// budget the cache starts over (no per-piece bookkeeping on the hot path). The indexer sets it
@@ -62,7 +65,14 @@ pub struct ModelTokenizer {
     eos: String,
     cache: Mutex<PieceCache>,
     max_cache_bytes: usize,
+    /// How a new piece may be encoded faster than whole (see `pretokenize`).
+    shape: Shape,
+    /// A GPT-2-shaped tokenizer's remembered pre-tokens.
+    words: Option<WordEncoder>,
 }
+
+/// The share of the cache budget remembered pre-tokens may take.
+const WORDS_SHARE: usize = 8;
 
 #[derive(Default)]
 struct PieceCache {
@@ -146,6 +156,12 @@ impl ModelTokenizer {
     pub fn load(tokenizer: &Path, template: &Path) -> Result<Self, TokenizeError> {
         let tok = Tokenizer::from_file(tokenizer)
             .map_err(|e| TokenizeError::Load(format!("cannot load tokenizer {}: {e}", tokenizer.display())))?;
+        // Its configuration as written, for what `pretokenize` may do with it.
+        let described: Value = std::fs::read_to_string(tokenizer)
+            .ok()
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .unwrap_or(Value::Null);
+        let shape = Shape::of(&described);
         let (source, config) = read_template(template)?;
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
@@ -168,18 +184,47 @@ impl ModelTokenizer {
             eos: token_text(config.as_ref(), "eos_token"),
             cache: Mutex::default(),
             max_cache_bytes: DEFAULT_CACHE_BYTES,
+            shape,
+            words: Self::words(shape, DEFAULT_CACHE_BYTES),
         })
     }
 
-    /// Bounds the piece cache to `bytes`.
+    fn words(shape: Shape, budget: usize) -> Option<WordEncoder> {
+        (shape == Shape::Gpt2).then(|| WordEncoder::new(budget / WORDS_SHARE).ok()).flatten()
+    }
+
+    /// Bounds the caches (pieces and pre-tokens together) to `bytes`.
     pub fn with_cache_budget(mut self, bytes: usize) -> Self {
-        self.max_cache_bytes = bytes;
+        self.max_cache_bytes = bytes - bytes / WORDS_SHARE;
+        self.words = Self::words(self.shape, bytes);
         self
     }
 
-    /// What the piece cache holds now, in bytes.
+    /// What the caches hold now, in bytes.
     pub fn cache_bytes(&self) -> usize {
-        self.cache.lock().map(|c| c.bytes).unwrap_or(0)
+        self.cache.lock().map(|c| c.bytes).unwrap_or(0) + self.words.as_ref().map_or(0, WordEncoder::cached_bytes)
+    }
+
+    /// A piece without added tokens, encoded: by pre-token through the cache when the tokenizer
+    /// allows, a long one in parts on all cores when it allows, else whole.
+    fn encode_piece(&self, piece: &str) -> Result<Vec<u32>, String> {
+        let one = |part: &str| match &self.words {
+            Some(words) => words.encode(&self.tokenizer, part),
+            None => self.tokenizer.encode_fast(part, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string()),
+        };
+        let parts = if self.shape == Shape::Whole { 1 } else { parts_for(piece.len()) };
+        let cuts = if parts > 1 { cut_points(piece, parts) } else { Vec::new() };
+        if cuts.is_empty() {
+            return one(piece);
+        }
+        let bounds: Vec<(usize, usize)> =
+            std::iter::once(0).chain(cuts.iter().copied()).zip(cuts.iter().copied().chain([piece.len()])).collect();
+        let encoded: Vec<Result<Vec<u32>, String>> = bounds.par_iter().map(|(s, e)| one(&piece[*s..*e])).collect();
+        let mut ids = Vec::with_capacity(piece.len() / 3);
+        for part in encoded {
+            ids.extend(part?);
+        }
+        Ok(ids)
     }
 
     /// The prompt the engine will see for this chat body.
@@ -272,8 +317,7 @@ impl ModelTokenizer {
                 }
             }
         };
-        let result: Result<Arc<[u32]>, String> =
-            self.tokenizer.encode_fast(piece, false).map(|e| e.get_ids().into()).map_err(|e| e.to_string());
+        let result: Result<Arc<[u32]>, String> = self.encode_piece(piece).map(Into::into);
         if let Ok(mut cache) = self.cache.lock() {
             match &result {
                 Ok(ids) => {
@@ -363,6 +407,43 @@ mod tests {
             let whole = t.encode_uncached(&text).unwrap();
             assert_eq!(t.encode(&text).unwrap(), whole, "first, uncached pieces: {text:?}");
             assert_eq!(t.encode(&text).unwrap(), whole, "second, from the cache");
+        }
+    }
+
+    /// A long new piece is cut at spaces and encoded in parts, each pre-token through the word
+    /// cache: the ids are the whole encode's, first time and every time.
+    #[test]
+    fn long_pieces_encoded_in_parts_give_exactly_a_whole_encode() {
+        let t = shipped();
+        assert_eq!(t.shape, Shape::Gpt2);
+        let mixed = "Tokens,  tabs\t and 1234 numbers; it's 漢字 e\u{301}   spaced\n\n  lines\u{a0}end. ";
+        for unit in [mixed, "word ", "x", " ", "a\n"] {
+            let piece = unit.repeat(crate::pretokenize::PARALLEL_MIN_BYTES * 3 / unit.len());
+            let text = format!("<|im_start|>user\n{piece}<|im_end|>\n");
+            let whole = t.encode_uncached(&text).unwrap();
+            assert_eq!(t.encode(&text).unwrap(), whole, "first, in parts: {unit:?}");
+            assert_eq!(t.encode(&text).unwrap(), whole, "from the piece cache: {unit:?}");
+            let fresh = shipped();
+            assert_eq!(fresh.encode_piece(&piece).unwrap(), fresh.encode_uncached(&piece).unwrap());
+            assert_eq!(fresh.encode_piece(&piece).unwrap(), fresh.encode_uncached(&piece).unwrap(), "words cached");
+        }
+    }
+
+    fn text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let pieces = prop::sample::select(vec![
+            "a", "Z", "word", " ", "  ", "\n", "\t", "\r\n", "9", "123", ".", ",", "'s", "'", "!?", "é", "e\u{301}",
+            "漢", "\u{a0}", "\u{3000}", "\u{2028}", "😀", "-", "_", "<", "/", "'ll", "the", " model",
+        ]);
+        prop::collection::vec(pieces, 0..80).prop_map(|v| v.concat())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        #[test]
+        fn any_text_encodes_by_pre_token_as_it_does_whole(text in text()) {
+            let t = shipped();
+            proptest::prop_assert_eq!(t.encode_piece(&text).unwrap(), t.encode_uncached(&text).unwrap());
         }
     }
 
