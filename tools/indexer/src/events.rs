@@ -7,8 +7,6 @@
 //! SGLang and vLLM, trailing fields that equal their defaults omitted). Engine block hashes are
 //! opaque ids: integers are kept, byte strings (vLLM's non-integer hashes) are folded to 64 bits.
 
-use rmpv::Value;
-
 /// Where an engine keeps a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Medium {
@@ -111,132 +109,305 @@ pub fn decode_seq(bytes: &[u8]) -> Result<u64, DecodeError> {
 }
 
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
-    let value: Value = rmp_serde::from_slice(payload).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let (ts, events, rank) = match &value {
-        Value::Array(items) => (items.first(), items.get(1), items.get(2)),
-        Value::Map(_) => (
-            field(&value, "ts"),
-            field(&value, "events"),
-            field(&value, "data_parallel_rank").or_else(|| field(&value, "attn_dp_rank")),
-        ),
-        other => return Err(shape("batch", format!("expected an array or a map, got {other}"))),
-    };
-    let events = match events {
-        Some(Value::Array(events)) => events.iter().map(decode_event).collect::<Result<Vec<_>, _>>()?,
-        _ => return Err(shape("batch", "no event list")),
-    };
+    let batch: RawBatch = rmp_serde::from_slice(payload).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let events = batch.events.ok_or_else(|| shape("batch", "no event list"))?;
     Ok(EventBatch {
-        ts: ts.and_then(Value::as_f64).unwrap_or(0.0),
-        events,
-        dp_rank: rank.and_then(Value::as_u64).and_then(|r| u32::try_from(r).ok()),
+        ts: batch.ts,
+        events: events.into_iter().map(RawEvent::into_event).collect::<Result<_, _>>()?,
+        dp_rank: batch.dp_rank,
     })
 }
 
-fn field<'a>(value: &'a Value, name: &str) -> Option<&'a Value> {
-    match value {
-        Value::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v),
-        _ => None,
-    }
+// The payload is decoded straight into these, field by field, without a tree of values: both
+// engines' forms (positional or named) meet in the same raw fields, checked once decoded.
+
+/// A batch as either engine sends it.
+struct RawBatch {
+    ts: f64,
+    events: Option<Vec<RawEvent>>,
+    dp_rank: Option<u32>,
 }
 
-/// Field `name` of an event, by name in the map form, by `position` (after the tag) in the
-/// positional form.
-struct Fields<'a> {
-    value: &'a Value,
-    positional: Option<&'a [Value]>,
+/// One event's fields, whichever form carried them.
+#[derive(Default)]
+struct RawEvent {
+    kind: Option<Kind>,
+    block_hashes: Option<Vec<EngineHash>>,
+    parent: Option<EngineHash>,
+    token_ids: Option<Vec<u32>>,
+    block_size: Option<u64>,
+    lora_id: Option<i64>,
+    lora_name: Option<String>,
+    medium: Option<Medium>,
+    cache_salt: Option<String>,
 }
 
-impl<'a> Fields<'a> {
-    fn get(&self, name: &str, position: usize) -> Option<&'a Value> {
-        let v = match self.positional {
-            Some(items) => items.get(position + 1),
-            None => field(self.value, name),
-        };
-        v.filter(|v| !v.is_nil())
-    }
+enum Kind {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown(String),
 }
 
-fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
-    let (kind, fields) = match value {
-        Value::Map(_) => (field(value, "type").and_then(Value::as_str), Fields { value, positional: None }),
-        Value::Array(items) => (items.first().and_then(Value::as_str), Fields { value, positional: Some(items) }),
-        other => return Err(shape("event", format!("expected a map or an array, got {other}"))),
-    };
-    match kind {
-        Some("BlockStored") => {
-            let block_hashes = hashes(fields.get("block_hashes", 0))?;
-            let token_ids = match fields.get("token_ids", 2) {
-                Some(Value::Array(t)) => t
-                    .iter()
-                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .ok_or_else(|| shape("BlockStored", "a token id is not a u32"))?,
-                _ => return Err(shape("BlockStored", "no token_ids")),
-            };
-            let block_size = fields
-                .get("block_size", 3)
-                .and_then(Value::as_u64)
-                .and_then(|b| usize::try_from(b).ok())
-                .filter(|b| *b > 0)
-                .ok_or_else(|| shape("BlockStored", "no positive block_size"))?;
-            if token_ids.len() != block_size.saturating_mul(block_hashes.len()) {
-                return Err(shape(
-                    "BlockStored",
-                    format!("{} tokens for {} blocks of {block_size}", token_ids.len(), block_hashes.len()),
-                ));
+/// A field read leniently: what is not of its type counts as absent.
+struct Lenient<T>(Option<T>);
+
+/// An engine block hash: an integer as its 64 bits (SGLang's are signed), bytes folded with FNV-1a.
+struct Hash(EngineHash);
+
+impl RawEvent {
+    fn into_event(self) -> Result<KvEvent, DecodeError> {
+        match self.kind {
+            Some(Kind::Stored) => {
+                let block_hashes = self.block_hashes.ok_or_else(|| shape("event", "no block_hashes list"))?;
+                let token_ids = self.token_ids.ok_or_else(|| shape("BlockStored", "no token_ids"))?;
+                let block_size = self
+                    .block_size
+                    .and_then(|b| usize::try_from(b).ok())
+                    .filter(|b| *b > 0)
+                    .ok_or_else(|| shape("BlockStored", "no positive block_size"))?;
+                if token_ids.len() != block_size.saturating_mul(block_hashes.len()) {
+                    return Err(shape(
+                        "BlockStored",
+                        format!("{} tokens for {} blocks of {block_size}", token_ids.len(), block_hashes.len()),
+                    ));
+                }
+                Ok(KvEvent::Stored(StoredBlocks {
+                    block_hashes,
+                    parent: self.parent,
+                    token_ids,
+                    block_size,
+                    lora: self.lora_name.or_else(|| self.lora_id.map(|id| format!("lora-id:{id}"))),
+                    medium: self.medium.unwrap_or(Medium::Gpu),
+                    cache_salt: self.cache_salt,
+                }))
             }
-            // Map form only: SGLang's and vLLM's positional forms put different fields after medium.
-            let lora_name = fields.positional.is_none().then(|| fields.get("lora_name", usize::MAX)).flatten();
-            let lora = lora_name
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .or_else(|| fields.get("lora_id", 4).and_then(Value::as_i64).map(|id| format!("lora-id:{id}")));
-            Ok(KvEvent::Stored(StoredBlocks {
-                block_hashes,
-                parent: fields.get("parent_block_hash", 1).map(hash).transpose()?,
-                token_ids,
-                block_size,
-                lora,
-                medium: Medium::parse(fields.get("medium", 5).and_then(Value::as_str)),
-                cache_salt: fields
-                    .positional
-                    .is_none()
-                    .then(|| fields.get("cache_salt", usize::MAX))
-                    .flatten()
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-            }))
+            Some(Kind::Removed) => Ok(KvEvent::Removed {
+                block_hashes: self.block_hashes.ok_or_else(|| shape("event", "no block_hashes list"))?,
+                medium: self.medium.unwrap_or(Medium::Gpu),
+            }),
+            Some(Kind::Cleared) => Ok(KvEvent::AllCleared),
+            Some(Kind::Unknown(other)) => Err(shape("event", format!("unknown type `{other}`"))),
+            None => Err(shape("event", "no type tag")),
         }
-        Some("BlockRemoved") => Ok(KvEvent::Removed {
-            block_hashes: hashes(fields.get("block_hashes", 0))?,
-            medium: Medium::parse(fields.get("medium", 1).and_then(Value::as_str)),
-        }),
-        Some("AllBlocksCleared") => Ok(KvEvent::AllCleared),
-        Some(other) => Err(shape("event", format!("unknown type `{other}`"))),
-        None => Err(shape("event", "no type tag")),
     }
 }
 
-fn hashes(value: Option<&Value>) -> Result<Vec<EngineHash>, DecodeError> {
-    match value {
-        Some(Value::Array(items)) => items.iter().map(hash).collect(),
-        _ => Err(shape("event", "no block_hashes list")),
-    }
-}
+mod raw {
+    use std::fmt;
+    use std::marker::PhantomData;
 
-/// An integer as its 64 bits (SGLang's are signed), bytes folded with FNV-1a.
-fn hash(value: &Value) -> Result<EngineHash, DecodeError> {
-    if let Some(i) = value.as_i64() {
-        return Ok(i as u64);
-    }
-    if let Some(u) = value.as_u64() {
-        return Ok(u);
-    }
-    match value {
-        Value::Binary(bytes) => {
-            Ok(bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)))
+    use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+    use super::{EngineHash, Hash, Kind, Lenient, Medium, RawBatch, RawEvent};
+
+    impl<'de> Deserialize<'de> for RawBatch {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(BatchVisitor)
         }
-        other => Err(shape("block hash", format!("expected an integer or bytes, got {other}"))),
+    }
+
+    struct BatchVisitor;
+
+    impl<'de> Visitor<'de> for BatchVisitor {
+        type Value = RawBatch;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an event batch: an array or a map")
+        }
+
+        /// SGLang: `[ts, events, dp_rank?]`.
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawBatch, A::Error> {
+            let ts = seq.next_element::<Lenient<f64>>()?.and_then(|t| t.0).unwrap_or(0.0);
+            let events = seq.next_element::<Option<Vec<RawEvent>>>()?.flatten();
+            let dp_rank = seq.next_element::<Lenient<u32>>()?.and_then(|r| r.0);
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(RawBatch { ts, events, dp_rank })
+        }
+
+        /// vLLM: `{ts, events, data_parallel_rank | attn_dp_rank}`.
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawBatch, A::Error> {
+            let mut batch = RawBatch { ts: 0.0, events: None, dp_rank: None };
+            while let Some(key) = map.next_key::<Lenient<&str>>()? {
+                match key.0 {
+                    Some("ts") => batch.ts = map.next_value::<Lenient<f64>>()?.0.unwrap_or(0.0),
+                    Some("events") => batch.events = map.next_value()?,
+                    Some("data_parallel_rank" | "attn_dp_rank") => {
+                        let rank = map.next_value::<Lenient<u32>>()?.0;
+                        batch.dp_rank = batch.dp_rank.or(rank);
+                    }
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(batch)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for RawEvent {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(EventVisitor)
+        }
+    }
+
+    struct EventVisitor;
+
+    impl<'de> Visitor<'de> for EventVisitor {
+        type Value = RawEvent;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("an event: a map tagged by `type`, or an array led by its type")
+        }
+
+        /// `[type, block_hashes, parent, token_ids, block_size, lora_id, medium]` for a stored
+        /// block, `[type, block_hashes, medium]` for a removal; trailing defaults may be omitted.
+        /// SGLang's and vLLM's positional forms differ after `medium`: what follows is ignored.
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawEvent, A::Error> {
+            let mut event =
+                RawEvent { kind: seq.next_element::<Lenient<Kind>>()?.and_then(|k| k.0), ..RawEvent::default() };
+            let stored = matches!(event.kind, Some(Kind::Stored));
+            if matches!(event.kind, Some(Kind::Stored | Kind::Removed)) {
+                event.block_hashes = seq.next_element::<Option<Vec<Hash>>>()?.flatten().map(hashes);
+            }
+            if stored {
+                event.parent = seq.next_element::<Option<Hash>>()?.flatten().map(|h| h.0);
+                event.token_ids = seq.next_element::<Option<Vec<u32>>>()?.flatten();
+                event.block_size = seq.next_element::<Lenient<u64>>()?.and_then(|b| b.0);
+                event.lora_id = seq.next_element::<Lenient<i64>>()?.and_then(|l| l.0);
+            }
+            event.medium = seq.next_element::<Lenient<&str>>()?.and_then(|m| m.0).map(|m| Medium::parse(Some(m)));
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(event)
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEvent, A::Error> {
+            let mut event = RawEvent::default();
+            while let Some(key) = map.next_key::<Lenient<&str>>()? {
+                match key.0 {
+                    Some("type") => event.kind = map.next_value::<Lenient<Kind>>()?.0,
+                    Some("block_hashes") => event.block_hashes = map.next_value::<Option<Vec<Hash>>>()?.map(hashes),
+                    Some("parent_block_hash") => event.parent = map.next_value::<Option<Hash>>()?.map(|h| h.0),
+                    Some("token_ids") => event.token_ids = map.next_value()?,
+                    Some("block_size") => event.block_size = map.next_value::<Lenient<u64>>()?.0,
+                    Some("lora_id") => event.lora_id = map.next_value::<Lenient<i64>>()?.0,
+                    Some("lora_name") => event.lora_name = map.next_value::<Lenient<&str>>()?.0.map(str::to_string),
+                    Some("medium") => {
+                        event.medium = map.next_value::<Lenient<&str>>()?.0.map(|m| Medium::parse(Some(m)))
+                    }
+                    Some("cache_salt") => event.cache_salt = map.next_value::<Lenient<&str>>()?.0.map(str::to_string),
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(event)
+        }
+    }
+
+    fn hashes(list: Vec<Hash>) -> Vec<EngineHash> {
+        list.into_iter().map(|h| h.0).collect()
+    }
+
+    impl<'de> Deserialize<'de> for Hash {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(HashVisitor)
+        }
+    }
+
+    struct HashVisitor;
+
+    impl Visitor<'_> for HashVisitor {
+        type Value = Hash;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a block hash: an integer or bytes")
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Hash, E> {
+            Ok(Hash(v as u64))
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Hash, E> {
+            Ok(Hash(v))
+        }
+
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Hash, E> {
+            Ok(Hash(v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))))
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Kind {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let name = <&str>::deserialize(d)?;
+            Ok(match name {
+                "BlockStored" => Kind::Stored,
+                "BlockRemoved" => Kind::Removed,
+                "AllBlocksCleared" => Kind::Cleared,
+                other => Kind::Unknown(other.to_string()),
+            })
+        }
+    }
+
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for Lenient<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(LenientVisitor(PhantomData))
+        }
+    }
+
+    /// Hands a value of `T`'s kind to `T`, and takes anything else (nil included) as absent.
+    struct LenientVisitor<T>(PhantomData<T>);
+
+    macro_rules! forward {
+        ($($method:ident: $ty:ty),* $(,)?) => {
+            $(fn $method<E: de::Error>(self, v: $ty) -> Result<Self::Value, E> {
+                Ok(Lenient(T::deserialize(de::IntoDeserializer::<E>::into_deserializer(v)).ok()))
+            })*
+        };
+    }
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for LenientVisitor<T> {
+        type Value = Lenient<T>;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("any value")
+        }
+
+        forward!(visit_bool: bool, visit_i64: i64, visit_u64: u64, visit_f64: f64);
+
+        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Lenient(T::deserialize(de::value::BorrowedStrDeserializer::<E>::new(v)).ok()))
+        }
+
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(Lenient(None))
+        }
+
+        fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Self::Value, E> {
+            Ok(Lenient(None))
+        }
+
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Lenient(None))
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Lenient(None))
+        }
+
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(Lenient(None))
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(Lenient(None))
+        }
     }
 }
 
