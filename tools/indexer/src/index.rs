@@ -10,10 +10,13 @@
 //! only to find those pages again.
 //!
 //! Memory is bounded by `max_pages` engine pages in all; past it, the oldest pages of the engine
-//! holding the most go first. What a page costs is measured, not assumed: see `BYTES_PER_PAGE` in
+//! rank and medium holding the most go first. What a page costs is measured, not assumed: see `BYTES_PER_PAGE` in
 //! `state` and docs/reliability.md.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+// foldhash, seeded per process: a match looks up every block of a prompt.
+use hashbrown::HashMap;
 
 use crate::events::{EngineHash, KvEvent, Medium, StoredBlocks};
 
@@ -92,44 +95,170 @@ pub struct ExportedPage {
     pub completes: Vec<u64>,
 }
 
-/// One engine page: the chain state after it and the blocks it completed.
-#[derive(Debug, Clone)]
+/// Which blocks a page completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Completes {
+    Nothing,
+    /// One block, ending the page: its key is the chain state after the page.
+    TheState,
+    /// Anything else: the keys are kept beside the page (`Pages::listed`).
+    Listed,
+}
+
+/// One engine page in 16 bytes: the chain state after it, and which blocks it completed. Pages of
+/// a block's size complete exactly the block they end, so their key is their chain state and
+/// nothing more is kept.
+#[derive(Debug, Clone, Copy)]
 struct Page {
-    after: Chain,
-    completes: Vec<u64>,
+    state: u64,
+    filled: u32,
+    completes: Completes,
 }
 
-/// The pages one engine rank published, in arrival order for eviction. A removed page leaves its
-/// id in `order` (finding it there would cost a scan); `order` is compacted whenever it holds
-/// twice as many ids as there are pages, so churn cannot grow it.
+/// The pages one engine rank published in one medium, with their arrival order for eviction. A
+/// removed page leaves its hash in `order` (finding it there would cost a scan); `order` is
+/// compacted whenever it holds twice as many hashes as there are pages, so churn cannot grow it.
 #[derive(Debug, Default)]
-struct Source {
-    pages: HashMap<(EngineHash, Medium), Page>,
-    order: VecDeque<(EngineHash, Medium)>,
+struct Pages {
+    pages: HashMap<EngineHash, Page>,
+    /// The keys of pages that completed more than their own block, or a block before their end.
+    listed: HashMap<EngineHash, Box<[u64]>>,
+    order: VecDeque<EngineHash>,
 }
 
-impl Source {
-    fn remember(&mut self, id: (EngineHash, Medium)) {
-        self.order.push_back(id);
-        if self.order.len() > 2 * self.pages.len() + 64 {
-            let pages = &self.pages;
-            self.order.retain(|id| pages.contains_key(id));
+impl Pages {
+    fn insert(&mut self, hash: EngineHash, page: Page, keys: &[u64]) -> bool {
+        if page.completes == Completes::Listed {
+            self.listed.insert(hash, keys.into());
+        } else {
+            self.listed.remove(&hash);
+        }
+        let added = self.pages.insert(hash, page).is_none();
+        if added {
+            self.order.push_back(hash);
+            if self.order.len() > 2 * self.pages.len() + 64 {
+                let pages = &self.pages;
+                self.order.retain(|h| pages.contains_key(h));
+            }
+        }
+        added
+    }
+
+    /// Removes a page: the keys it completed, if it was there.
+    fn remove(&mut self, hash: EngineHash) -> Option<Vec<u64>> {
+        let page = self.pages.remove(&hash)?;
+        Some(match page.completes {
+            Completes::Nothing => Vec::new(),
+            Completes::TheState => vec![page.state],
+            Completes::Listed => self.listed.remove(&hash).map(Vec::from).unwrap_or_default(),
+        })
+    }
+
+    fn keys_of(&self, hash: EngineHash, page: &Page) -> Vec<u64> {
+        match page.completes {
+            Completes::Nothing => Vec::new(),
+            Completes::TheState => vec![page.state],
+            Completes::Listed => self.listed.get(&hash).map(|k| k.to_vec()).unwrap_or_default(),
         }
     }
 }
 
+/// A page's record, from the chain state after it and the keys it completed.
+fn page_of(after: Chain, completes: &[u64]) -> Page {
+    let kind = match completes {
+        [] => Completes::Nothing,
+        [key] if *key == after.state && after.filled == 0 => Completes::TheState,
+        _ => Completes::Listed,
+    };
+    Page { state: after.state, filled: after.filled, completes: kind }
+}
+
+/// An engine rank's pages, by medium.
+#[derive(Debug, Default)]
+struct Source {
+    media: [Pages; 4],
+}
+
+impl Source {
+    fn pages(&self) -> usize {
+        self.media.iter().map(|m| m.pages.len()).sum()
+    }
+}
+
 /// An engine's data-parallel rank, by the index's engine number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct EngineRank {
     engine: u32,
     rank: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Holder {
     engine: u32,
     rank: u32,
     medium: Medium,
+}
+
+/// Set on a block's first holder when it has others.
+const MORE: u32 = 1 << 31;
+
+/// Which holders (by number, see `Index::holder_id`) hold each block: the first inline, in 16
+/// bytes a block, any others beside it.
+#[derive(Debug, Default)]
+struct Holders {
+    first: HashMap<u64, u32>,
+    more: HashMap<u64, Vec<u32>>,
+}
+
+impl Holders {
+    fn add(&mut self, key: u64, holder: u32) {
+        let first = self.first.entry(key).or_insert(holder);
+        if *first & !MORE == holder {
+            return;
+        }
+        let more = self.more.entry(key).or_default();
+        if !more.contains(&holder) {
+            more.push(holder);
+        }
+        *first |= MORE;
+    }
+
+    fn remove(&mut self, key: u64, holder: u32) {
+        let Some(&first) = self.first.get(&key) else { return };
+        if first & MORE == 0 {
+            if first == holder {
+                self.first.remove(&key);
+            }
+            return;
+        }
+        let Some(more) = self.more.get_mut(&key) else { return };
+        if first & !MORE == holder {
+            // The first goes: another takes its place.
+            let Some(next) = more.pop() else { return };
+            self.first.insert(key, next | MORE);
+        } else {
+            more.retain(|h| *h != holder);
+        }
+        if more.is_empty() {
+            self.more.remove(&key);
+            if let Some(first) = self.first.get_mut(&key) {
+                *first &= !MORE;
+            }
+        }
+    }
+
+    /// Calls `each` with every holder of `key`.
+    fn each(&self, key: &u64, mut each: impl FnMut(u32)) {
+        let Some(&first) = self.first.get(key) else { return };
+        each(first & !MORE);
+        if first & MORE != 0 {
+            self.more.get(key).into_iter().flatten().for_each(|h| each(*h));
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        self.first.len()
+    }
 }
 
 /// What one engine holds of a query's prefix, in tokens.
@@ -151,8 +280,11 @@ pub struct Index {
     max_pages: usize,
     engines: Vec<String>,
     engine_ids: HashMap<String, u32>,
-    sources: HashMap<(u32, u32), Source>,
-    holders: HashMap<u64, Vec<Holder>>,
+    sources: HashMap<EngineRank, Source>,
+    /// Every (engine, rank, medium) that held a block, numbered for `holders`.
+    holder_list: Vec<Holder>,
+    holder_ids: HashMap<Holder, u32>,
+    holders: Holders,
     /// Blocks a router just sent to an engine rank, before the engine's own event: key → (engine
     /// rank, until).
     speculative: HashMap<u64, Vec<(EngineRank, u64)>>,
@@ -161,6 +293,8 @@ pub struct Index {
     expiries: VecDeque<(u64, u64, EngineRank)>,
     max_speculative: usize,
     pages: usize,
+    /// The keys the page being stored completed (kept to spare an allocation a page).
+    scratch: Vec<u64>,
     pub counters: Counters,
 }
 
@@ -190,11 +324,14 @@ impl Index {
             engines: Vec::new(),
             engine_ids: HashMap::new(),
             sources: HashMap::new(),
-            holders: HashMap::new(),
+            holder_list: Vec::new(),
+            holder_ids: HashMap::new(),
+            holders: Holders::default(),
             speculative: HashMap::new(),
             expiries: VecDeque::new(),
             max_speculative: MAX_SPECULATIVE,
             pages: 0,
+            scratch: Vec::new(),
             counters: Counters::default(),
         }
     }
@@ -219,6 +356,18 @@ impl Index {
         id
     }
 
+    /// The number `holders` knows a holder by. Holders are the configured engines' ranks and
+    /// media, so there are few; past `MORE` of them (never, in practice) the last number is shared.
+    fn holder_id(&mut self, holder: Holder) -> u32 {
+        if let Some(id) = self.holder_ids.get(&holder) {
+            return *id;
+        }
+        let id = (self.holder_list.len() as u32).min(MORE - 1);
+        self.holder_list.push(holder);
+        self.holder_ids.insert(holder, id);
+        id
+    }
+
     /// Applies one engine rank's event.
     pub fn apply(&mut self, engine: &str, rank: u32, event: &KvEvent) {
         self.counters.events += 1;
@@ -227,7 +376,7 @@ impl Index {
             KvEvent::Stored(stored) => self.store(e, rank, stored),
             KvEvent::Removed { block_hashes, medium } => {
                 for h in block_hashes {
-                    self.remove_page(e, rank, (*h, *medium));
+                    self.remove_page(EngineRank { engine: e, rank }, *medium, *h);
                 }
             }
             KvEvent::AllCleared => self.clear(engine, Some(rank)),
@@ -236,16 +385,21 @@ impl Index {
 
     fn store(&mut self, e: u32, rank: u32, stored: &StoredBlocks) {
         let block_tokens = self.block_tokens;
-        let source = self.sources.entry((e, rank)).or_default();
+        let at = EngineRank { engine: e, rank };
+        let holder = self.holder_id(Holder { engine: e, rank, medium: stored.medium });
+        let source = self.sources.entry(at).or_default();
         let mut chain = match stored.parent {
             None => Some(Chain::root(stored.lora.as_deref(), stored.cache_salt.as_deref())),
-            Some(parent) => Medium::ALL.iter().find_map(|m| source.pages.get(&(parent, *m))).map(|p| p.after),
+            Some(parent) => {
+                source.media.iter().find_map(|m| m.pages.get(&parent)).map(|p| Chain::from_parts(p.state, p.filled))
+            }
         };
-        let holder = Holder { engine: e, rank, medium: stored.medium };
+        let pages = &mut source.media[stored.medium as usize];
         let mut added = 0usize;
+        let completes = &mut self.scratch;
         for (i, hash) in stored.block_hashes.iter().enumerate() {
             let tokens = stored.token_ids.get(i * stored.block_size..(i + 1) * stored.block_size).unwrap_or_default();
-            let mut completes = Vec::new();
+            completes.clear();
             chain = chain.map(|c| c.extend(tokens, block_tokens, |k| completes.push(k)));
             // A page whose parent was never seen (or was evicted) keys nothing, and neither will its
             // children: holding it would only push out pages that do.
@@ -253,22 +407,17 @@ impl Index {
                 self.counters.orphan_pages += 1;
                 continue;
             };
-            for key in &completes {
-                let hs = self.holders.entry(*key).or_default();
-                if !hs.contains(&holder) {
-                    hs.push(holder);
-                }
+            for key in completes.iter() {
+                self.holders.add(*key, holder);
                 // The engine rank's own event confirms what was routed to it.
                 if let Some(spec) = self.speculative.get_mut(key) {
-                    spec.retain(|(at, _)| *at != EngineRank { engine: e, rank });
+                    spec.retain(|(x, _)| *x != at);
                     if spec.is_empty() {
                         self.speculative.remove(key);
                     }
                 }
             }
-            let id = (*hash, stored.medium);
-            if source.pages.insert(id, Page { after, completes }).is_none() {
-                source.remember(id);
+            if pages.insert(*hash, page_of(after, completes), completes) {
                 added += 1;
             }
         }
@@ -280,40 +429,40 @@ impl Index {
         }
     }
 
-    /// Drops the oldest page of the engine rank holding the most pages.
+    /// Drops the oldest page of the engine rank and medium holding the most pages.
     fn evict_one(&mut self) -> bool {
-        let Some((&(e, rank), _)) = self.sources.iter().max_by_key(|(_, s)| s.pages.len()) else {
-            return false;
-        };
-        let oldest = self.sources.get_mut(&(e, rank)).and_then(|s| {
-            while let Some(id) = s.order.pop_front() {
-                if s.pages.contains_key(&id) {
-                    return Some(id);
+        let fullest = self
+            .sources
+            .iter()
+            .flat_map(|(at, s)| Medium::ALL.iter().map(move |m| ((*at, *m), s.media[*m as usize].pages.len())))
+            .max_by_key(|(_, n)| *n);
+        let Some(((at, medium), _)) = fullest else { return false };
+        let oldest = self.sources.get_mut(&at).and_then(|s| {
+            let pages = &mut s.media[medium as usize];
+            while let Some(hash) = pages.order.pop_front() {
+                if pages.pages.contains_key(&hash) {
+                    return Some(hash);
                 }
             }
             None
         });
         match oldest {
-            Some(id) => {
+            Some(hash) => {
                 self.counters.evicted_pages += 1;
-                self.remove_page(e, rank, id)
+                self.remove_page(at, medium, hash)
             }
             None => false,
         }
     }
 
-    fn remove_page(&mut self, e: u32, rank: u32, id: (EngineHash, Medium)) -> bool {
-        let Some(page) = self.sources.get_mut(&(e, rank)).and_then(|s| s.pages.remove(&id)) else {
+    fn remove_page(&mut self, at: EngineRank, medium: Medium, hash: EngineHash) -> bool {
+        let Some(keys) = self.sources.get_mut(&at).and_then(|s| s.media[medium as usize].remove(hash)) else {
             return false;
         };
         self.pages -= 1;
-        let holder = Holder { engine: e, rank, medium: id.1 };
-        for key in page.completes {
-            if let Some(hs) = self.holders.get_mut(&key) {
-                hs.retain(|h| *h != holder);
-                if hs.is_empty() {
-                    self.holders.remove(&key);
-                }
+        if let Some(&holder) = self.holder_ids.get(&Holder { engine: at.engine, rank: at.rank, medium }) {
+            for key in keys {
+                self.holders.remove(key, holder);
             }
         }
         true
@@ -323,20 +472,19 @@ impl Index {
     /// rank (its `AllBlocksCleared`, or its publisher restarted).
     pub fn clear(&mut self, engine: &str, rank: Option<u32>) {
         let Some(&e) = self.engine_ids.get(engine) else { return };
-        let ranks: Vec<(u32, u32)> =
-            self.sources.keys().filter(|(se, sr)| *se == e && rank.is_none_or(|r| r == *sr)).copied().collect();
-        for key in ranks {
-            if let Some(source) = self.sources.remove(&key) {
-                self.pages -= source.pages.len();
-                let completed: Vec<(u64, Medium)> =
-                    source.pages.iter().flat_map(|((_, m), p)| p.completes.iter().map(move |k| (*k, *m))).collect();
-                for (k, medium) in completed {
-                    let holder = Holder { engine: key.0, rank: key.1, medium };
-                    if let Some(hs) = self.holders.get_mut(&k) {
-                        hs.retain(|h| *h != holder);
-                        if hs.is_empty() {
-                            self.holders.remove(&k);
-                        }
+        let ranks: Vec<EngineRank> =
+            self.sources.keys().filter(|at| at.engine == e && rank.is_none_or(|r| r == at.rank)).copied().collect();
+        for at in ranks {
+            let Some(source) = self.sources.remove(&at) else { continue };
+            self.pages -= source.pages();
+            for (medium, pages) in Medium::ALL.iter().zip(&source.media) {
+                let Some(&holder) = self.holder_ids.get(&Holder { engine: at.engine, rank: at.rank, medium: *medium })
+                else {
+                    continue;
+                };
+                for (hash, page) in &pages.pages {
+                    for key in pages.keys_of(*hash, page) {
+                        self.holders.remove(key, holder);
                     }
                 }
             }
@@ -400,13 +548,19 @@ impl Index {
             per_medium: [u64; 4],
         }
         let block = u64::from(self.block_tokens);
-        let holders_of = |key: &u64| self.holders.get(key).map(Vec::as_slice).unwrap_or_default();
+        // Every block's holders go through one buffer.
+        let holders_of = |key: &u64, into: &mut Vec<Holder>| {
+            into.clear();
+            self.holders.each(key, |h| into.extend(self.holder_list.get(h as usize).copied()));
+        };
+        let mut holders: Vec<Holder> = Vec::new();
         let routed_to = |key: &u64, at: EngineRank| {
             self.speculative.get(key).is_some_and(|s| s.iter().any(|(x, until)| *x == at && *until > now_ms))
         };
         let Some(first) = keys.first() else { return Vec::new() };
         let mut walks: Vec<Walk> = Vec::new();
-        let starters = holders_of(first)
+        holders_of(first, &mut holders);
+        let starters = holders
             .iter()
             .map(|h| EngineRank { engine: h.engine, rank: h.rank })
             .chain(self.speculative.get(first).into_iter().flatten().filter(|(_, u)| *u > now_ms).map(|(at, _)| *at));
@@ -424,7 +578,7 @@ impl Index {
             }
         }
         for key in keys {
-            let holders = holders_of(key);
+            holders_of(key, &mut holders);
             let mut still = false;
             for w in walks.iter_mut().filter(|w| w.any) {
                 let mut held = [false; 4];
@@ -485,27 +639,25 @@ impl Index {
         result
     }
 
-    /// Every engine rank's pages, oldest first: (engine, rank, pages as (engine hash, medium,
-    /// chain after, keys completed)). What a peer's snapshot carries.
+    /// Every engine rank's pages, oldest first in each medium: (engine, rank, pages as (engine
+    /// hash, medium, chain after, keys completed)). What a peer's snapshot carries.
     pub fn export(&self) -> Vec<(String, u32, Vec<ExportedPage>)> {
         let mut out = Vec::new();
-        for (&(e, rank), source) in &self.sources {
-            let mut seen = std::collections::HashSet::new();
-            let pages = source
-                .order
-                .iter()
-                .filter(|id| seen.insert(**id))
-                .filter_map(|id| {
-                    let page = source.pages.get(id)?;
-                    Some(ExportedPage {
-                        hash: id.0,
-                        medium: id.1,
-                        after: page.after,
-                        completes: page.completes.clone(),
-                    })
-                })
-                .collect();
-            out.push((self.engines[e as usize].clone(), rank, pages));
+        for (at, source) in &self.sources {
+            let mut exported = Vec::new();
+            for (medium, pages) in Medium::ALL.iter().zip(&source.media) {
+                let mut seen = std::collections::HashSet::new();
+                for hash in pages.order.iter().filter(|h| seen.insert(**h)) {
+                    let Some(page) = pages.pages.get(hash) else { continue };
+                    exported.push(ExportedPage {
+                        hash: *hash,
+                        medium: *medium,
+                        after: Chain::from_parts(page.state, page.filled),
+                        completes: pages.keys_of(*hash, page),
+                    });
+                }
+            }
+            out.push((self.engines[at.engine as usize].clone(), at.rank, exported));
         }
         out
     }
@@ -513,17 +665,13 @@ impl Index {
     /// Adds one page a peer's snapshot brought, as if its event had arrived.
     pub fn import(&mut self, engine: &str, rank: u32, page: ExportedPage) {
         let e = self.engine_id(engine);
-        let holder = Holder { engine: e, rank, medium: page.medium };
+        let holder = self.holder_id(Holder { engine: e, rank, medium: page.medium });
         for key in &page.completes {
-            let hs = self.holders.entry(*key).or_default();
-            if !hs.contains(&holder) {
-                hs.push(holder);
-            }
+            self.holders.add(*key, holder);
         }
-        let id = (page.hash, page.medium);
-        let source = self.sources.entry((e, rank)).or_default();
-        if source.pages.insert(id, Page { after: page.after, completes: page.completes }).is_none() {
-            source.remember(id);
+        let source = self.sources.entry(EngineRank { engine: e, rank }).or_default();
+        let record = page_of(page.after, &page.completes);
+        if source.media[page.medium as usize].insert(page.hash, record, &page.completes) {
             self.pages += 1;
         }
         while self.pages > self.max_pages {
@@ -536,8 +684,8 @@ impl Index {
     /// Engine pages held per engine (every rank and medium), for the blocks-per-engine gauge.
     pub fn pages_per_engine(&self) -> Vec<(String, usize)> {
         let mut counts = vec![0usize; self.engines.len()];
-        for ((e, _), s) in &self.sources {
-            counts[*e as usize] += s.pages.len();
+        for (at, s) in &self.sources {
+            counts[at.engine as usize] += s.pages();
         }
         self.engines.iter().cloned().zip(counts).collect()
     }
@@ -547,7 +695,7 @@ impl Index {
     }
 
     pub fn distinct_blocks(&self) -> usize {
-        self.holders.len()
+        self.holders.blocks()
     }
 
     pub fn speculative_blocks(&self) -> usize {
@@ -595,6 +743,51 @@ mod tests {
         let m = &index.match_keys(&keys, 0)[0].1;
         assert_eq!(m.ranks, [(0, 16), (1, 12)], "routed to rank 0 moments ago");
         assert_eq!(m.confirmed_tokens, 12, "rank 1's own events confirm its 12");
+    }
+
+    /// A block's first holder is kept inline and the others beside it: removing any of them,
+    /// the first included, leaves the rest holding it.
+    #[test]
+    fn a_block_held_by_several_engines_loses_only_the_holder_removed() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(8);
+        for engine in ["A", "B", "C"] {
+            index.apply(engine, 0, &stored(&[1, 2], None, &t, 4));
+        }
+        let engines = |index: &Index| matched(index, &t).into_iter().map(|(e, _)| e).collect::<Vec<_>>();
+        assert_eq!(engines(&index), ["A", "B", "C"]);
+        index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![1], medium: Medium::Gpu });
+        assert_eq!(engines(&index), ["B", "C"], "the first holder went; the others stay");
+        index.apply("C", 0, &KvEvent::Removed { block_hashes: vec![1], medium: Medium::Gpu });
+        assert_eq!(engines(&index), ["B"]);
+        index.apply("B", 0, &KvEvent::AllCleared);
+        assert!(engines(&index).is_empty());
+        index.apply("A", 0, &KvEvent::AllCleared);
+        index.apply("C", 0, &KvEvent::AllCleared);
+        assert_eq!((index.pages(), index.distinct_blocks()), (0, 0));
+        assert!(index.holders.more.is_empty());
+    }
+
+    /// Pages that complete more than their own block (a page of 24 tokens over blocks of 16)
+    /// keep their keys beside them, and removing one removes exactly those.
+    #[test]
+    fn pages_completing_several_blocks_remove_all_of_them() {
+        let mut index = Index::new(4, 1000);
+        let t = tokens(24);
+        index.apply("A", 0, &stored(&[1, 2], None, &t[..12], 6));
+        index.apply("A", 0, &stored(&[3, 4], Some(2), &t[12..], 6));
+        assert_eq!(matched(&index, &t), [("A".to_string(), 24)]);
+        index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![3], medium: Medium::Gpu });
+        assert_eq!(matched(&index, &t), [("A".to_string(), 12)], "page 3 completed the block of tokens 12 to 16");
+        let exported = index.export();
+        let mut copy = Index::new(4, 1000);
+        for (engine, rank, pages) in exported {
+            for page in pages {
+                copy.import(&engine, rank, page);
+            }
+        }
+        assert_eq!(matched(&copy, &t), [("A".to_string(), 12)], "a snapshot carries listed keys");
+        assert_eq!(copy.pages(), 3);
     }
 
     #[test]
@@ -741,9 +934,9 @@ mod tests {
                 index.apply("A", 0, &KvEvent::Removed { block_hashes: vec![i - 10], medium: Medium::Gpu });
             }
         }
-        let source = &index.sources[&(0, 0)];
-        assert_eq!(source.pages.len(), 10);
-        assert!(source.order.len() <= 2 * 10 + 65, "{} ids in the order", source.order.len());
+        let pages = &index.sources[&EngineRank { engine: 0, rank: 0 }].media[Medium::Gpu as usize];
+        assert_eq!(pages.pages.len(), 10);
+        assert!(pages.order.len() <= 2 * 10 + 65, "{} ids in the order", pages.order.len());
     }
 
     #[test]
