@@ -95,6 +95,20 @@ pub struct ExportedPage {
     pub completes: Vec<u64>,
 }
 
+/// A 64-bit hash or key stored in 4-byte halves: beside a `u32` it packs into 12 bytes, not 16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Id([u32; 2]);
+
+impl Id {
+    fn of(x: u64) -> Self {
+        Id([x as u32, (x >> 32) as u32])
+    }
+
+    fn wide(self) -> u64 {
+        u64::from(self.0[0]) | u64::from(self.0[1]) << 32
+    }
+}
+
 /// Which blocks a page completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Completes {
@@ -105,14 +119,20 @@ enum Completes {
     Listed,
 }
 
-/// One engine page in 16 bytes: the chain state after it, and which blocks it completed. Pages of
+/// One engine page in 12 bytes: the chain state after it, and which blocks it completed. Pages of
 /// a block's size complete exactly the block they end, so their key is their chain state and
-/// nothing more is kept.
+/// nothing more is kept. `filled` fits: blocks are at most 65,536 tokens.
 #[derive(Debug, Clone, Copy)]
 struct Page {
-    state: u64,
-    filled: u32,
+    state: Id,
+    filled: u16,
     completes: Completes,
+}
+
+impl Page {
+    fn after(&self) -> Chain {
+        Chain::from_parts(self.state.wide(), u32::from(self.filled))
+    }
 }
 
 /// The pages one engine rank published in one medium, with their arrival order for eviction. A
@@ -120,14 +140,15 @@ struct Page {
 /// compacted whenever it holds twice as many hashes as there are pages, so churn cannot grow it.
 #[derive(Debug, Default)]
 struct Pages {
-    pages: HashMap<EngineHash, Page>,
+    pages: HashMap<Id, Page>,
     /// The keys of pages that completed more than their own block, or a block before their end.
-    listed: HashMap<EngineHash, Box<[u64]>>,
-    order: VecDeque<EngineHash>,
+    listed: HashMap<Id, Box<[u64]>>,
+    order: VecDeque<Id>,
 }
 
 impl Pages {
     fn insert(&mut self, hash: EngineHash, page: Page, keys: &[u64]) -> bool {
+        let hash = Id::of(hash);
         if page.completes == Completes::Listed {
             self.listed.insert(hash, keys.into());
         } else {
@@ -146,18 +167,19 @@ impl Pages {
 
     /// Removes a page: the keys it completed, if it was there.
     fn remove(&mut self, hash: EngineHash) -> Option<Vec<u64>> {
+        let hash = Id::of(hash);
         let page = self.pages.remove(&hash)?;
         Some(match page.completes {
             Completes::Nothing => Vec::new(),
-            Completes::TheState => vec![page.state],
+            Completes::TheState => vec![page.state.wide()],
             Completes::Listed => self.listed.remove(&hash).map(Vec::from).unwrap_or_default(),
         })
     }
 
-    fn keys_of(&self, hash: EngineHash, page: &Page) -> Vec<u64> {
+    fn keys_of(&self, hash: Id, page: &Page) -> Vec<u64> {
         match page.completes {
             Completes::Nothing => Vec::new(),
-            Completes::TheState => vec![page.state],
+            Completes::TheState => vec![page.state.wide()],
             Completes::Listed => self.listed.get(&hash).map(|k| k.to_vec()).unwrap_or_default(),
         }
     }
@@ -170,7 +192,7 @@ fn page_of(after: Chain, completes: &[u64]) -> Page {
         [key] if *key == after.state && after.filled == 0 => Completes::TheState,
         _ => Completes::Listed,
     };
-    Page { state: after.state, filled: after.filled, completes: kind }
+    Page { state: Id::of(after.state), filled: after.filled.min(u32::from(u16::MAX)) as u16, completes: kind }
 }
 
 /// An engine rank's pages, by medium.
@@ -206,12 +228,13 @@ const MORE: u32 = 1 << 31;
 /// bytes a block, any others beside it.
 #[derive(Debug, Default)]
 struct Holders {
-    first: HashMap<u64, u32>,
-    more: HashMap<u64, Vec<u32>>,
+    first: HashMap<Id, u32>,
+    more: HashMap<Id, Vec<u32>>,
 }
 
 impl Holders {
     fn add(&mut self, key: u64, holder: u32) {
+        let key = Id::of(key);
         let first = self.first.entry(key).or_insert(holder);
         if *first & !MORE == holder {
             return;
@@ -224,6 +247,7 @@ impl Holders {
     }
 
     fn remove(&mut self, key: u64, holder: u32) {
+        let key = Id::of(key);
         let Some(&first) = self.first.get(&key) else { return };
         if first & MORE == 0 {
             if first == holder {
@@ -249,10 +273,11 @@ impl Holders {
 
     /// Calls `each` with every holder of `key`.
     fn each(&self, key: &u64, mut each: impl FnMut(u32)) {
-        let Some(&first) = self.first.get(key) else { return };
+        let key = Id::of(*key);
+        let Some(&first) = self.first.get(&key) else { return };
         each(first & !MORE);
         if first & MORE != 0 {
-            self.more.get(key).into_iter().flatten().for_each(|h| each(*h));
+            self.more.get(&key).into_iter().flatten().for_each(|h| each(*h));
         }
     }
 
@@ -319,7 +344,7 @@ impl Counters {
 impl Index {
     pub fn new(block_tokens: u32, max_pages: usize) -> Self {
         Self {
-            block_tokens: block_tokens.max(1),
+            block_tokens: block_tokens.clamp(1, 1 << 16),
             max_pages: max_pages.max(1),
             engines: Vec::new(),
             engine_ids: HashMap::new(),
@@ -390,9 +415,7 @@ impl Index {
         let source = self.sources.entry(at).or_default();
         let mut chain = match stored.parent {
             None => Some(Chain::root(stored.lora.as_deref(), stored.cache_salt.as_deref())),
-            Some(parent) => {
-                source.media.iter().find_map(|m| m.pages.get(&parent)).map(|p| Chain::from_parts(p.state, p.filled))
-            }
+            Some(parent) => source.media.iter().find_map(|m| m.pages.get(&Id::of(parent))).map(Page::after),
         };
         let pages = &mut source.media[stored.medium as usize];
         let mut added = 0usize;
@@ -441,7 +464,7 @@ impl Index {
             let pages = &mut s.media[medium as usize];
             while let Some(hash) = pages.order.pop_front() {
                 if pages.pages.contains_key(&hash) {
-                    return Some(hash);
+                    return Some(hash.wide());
                 }
             }
             None
@@ -650,9 +673,9 @@ impl Index {
                 for hash in pages.order.iter().filter(|h| seen.insert(**h)) {
                     let Some(page) = pages.pages.get(hash) else { continue };
                     exported.push(ExportedPage {
-                        hash: *hash,
+                        hash: hash.wide(),
                         medium: *medium,
-                        after: Chain::from_parts(page.state, page.filled),
+                        after: page.after(),
                         completes: pages.keys_of(*hash, page),
                     });
                 }
