@@ -33,8 +33,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def free_port_range(n, first=41000, last=60000):
-    """The first port of `n` consecutive ports free right now (for endpoints numbered base + i)."""
+def free_port_range(n, first=20000, last=32000):
+    """The first port of `n` consecutive ports free right now (for endpoints numbered base + i),
+    below the kernel's ephemeral range: a subscriber retrying its connections to those endpoints
+    before they are bound takes ephemeral source ports, which could be the very ports to bind."""
     def free(port):
         with socket.socket() as s:
             try:
