@@ -25,7 +25,7 @@ pub const DEFAULT_MAX_MEMORY_MB: usize = 1024;
 /// What one engine page costs the indexer's resident memory, measured over the wire by
 /// `indexer-compare` (docs/reliability.md): the index's share of the budget divided by this is its
 /// page limit.
-pub const BYTES_PER_PAGE: usize = 280;
+pub const BYTES_PER_PAGE: usize = 100;
 /// What one speculative entry costs: its place in the expiry queue and in the map.
 const BYTES_PER_SPECULATIVE: usize = 64;
 /// What a match handle costs beyond its keys.
