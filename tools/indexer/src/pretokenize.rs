@@ -308,6 +308,29 @@ mod tests {
         }
     }
 
+    /// Remembered pre-tokens are bounded in bytes: past the budget the cache starts over, and
+    /// every answer is still the model's.
+    #[test]
+    fn remembered_pre_tokens_stay_within_their_budget() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        let tokenizer = Tokenizer::from_file(path).unwrap();
+        let budget = 4_000;
+        let words = WordEncoder::new(budget).unwrap();
+        for round in 0..20 {
+            let text: String = (0..200).map(|i| format!(" w{round}x{i}")).collect();
+            let whole = tokenizer.encode_fast(text.as_str(), false).unwrap().get_ids().to_vec();
+            assert_eq!(words.encode(&tokenizer, &text).unwrap(), whole);
+            assert!(words.cached_bytes() <= budget, "{} of {budget} bytes", words.cached_bytes());
+        }
+        assert!(words.cached_bytes() > 0);
+        let long = "y".repeat(MAX_WORD_BYTES + 1);
+        words.encode(&tokenizer, &long).unwrap();
+        assert!(
+            words.words.read().unwrap().ids.keys().all(|w| w.len() <= MAX_WORD_BYTES),
+            "a long pre-token is not kept"
+        );
+    }
+
     #[test]
     fn the_shipped_tokenizer_is_gpt2_shaped_and_others_are_read_right() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
