@@ -14,7 +14,7 @@ use super::queue::WaitingRoom;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::{GroupsConfig, RouterConfig};
-use crate::policies::pressure::prefill_rate;
+use crate::policies::pressure::{pending_prefill, prefill_rate};
 use crate::registry::{Availability, EngineRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
@@ -141,13 +141,15 @@ impl AppContext {
         if let Some(b) = &self.breakers {
             b.on_dispatch(worker);
         }
-        let assumed = self.config.load.prefill_tokens_per_s / 1000.0;
-        let tokens_per_ms = prefill_rate(self.handles.load.snapshot().get(worker), assumed);
-        InflightGuard::acquire(
-            Arc::clone(&self.handles.inflight),
-            worker,
-            PrefillWork { tokens: prefill_tokens, tokens_per_ms },
-        )
+        let prior = self.config.load.prefill_tokens_per_s / 1000.0;
+        let snapshot = self.handles.load.snapshot();
+        let (load, local) = (snapshot.get(worker), self.handles.inflight.local_load(worker));
+        let work = PrefillWork {
+            tokens: prefill_tokens,
+            tokens_per_ms: prefill_rate(load, &local, prior),
+            ahead: pending_prefill(load, &local),
+        };
+        InflightGuard::acquire(Arc::clone(&self.handles.inflight), worker, work, prior)
     }
 
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results

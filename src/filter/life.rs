@@ -152,6 +152,9 @@ struct Routed {
     notices: Vec<(u32, Arc<str>)>,
     /// The engine's response reached its end: nothing is left to abort.
     complete: bool,
+    /// The response's first body byte times the engine's prefill (a streamed success of the
+    /// engine that prefilled).
+    timed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -367,6 +370,10 @@ impl RequestLife {
             }
             State::Routed(routed) if routed.prefill.as_ref().is_some_and(|(t, _)| *t == token) => {
                 if let Some((_, guard)) = routed.prefill.as_mut() {
+                    // A prefill engine answers once its prefill is done: the time is a sample.
+                    if let (Some(g), Some(200..=299)) = (guard.as_mut(), status) {
+                        g.first_byte(true);
+                    }
                     *guard = None;
                 }
                 Self::sync(app, out);
@@ -598,6 +605,7 @@ impl RequestLife {
             answered: false,
             notices: Vec::new(),
             complete: false,
+            timed: false,
         }));
         Self::sync(app, out);
         out.push(Action::Proceed);
@@ -619,6 +627,14 @@ impl RequestLife {
             return out.push(Action::Proceed);
         }
         routed.complete = end_of_stream;
+        // A streamed answer's first chunk follows its first token, which the engine that
+        // prefilled produced; a decode engine's follows another engine's prefill.
+        let decision = routed.exchange.decision();
+        routed.timed =
+            matches!(status, Some(200..=299)) && decision.stream && matches!(decision.target, Target::Plain(_));
+        if end_of_stream {
+            routed.upstream.first_byte(false);
+        }
         if !routed.exchange.decision().fallbacks.is_empty() {
             if let Some((engine, effects)) = upstream_host().and_then(|host| routed.exchange.retried(&host)) {
                 app.carry_out(effects);
@@ -642,6 +658,7 @@ impl RequestLife {
         let held = match &mut self.state {
             State::Routed(routed) if !routed.answered => {
                 routed.complete |= end_of_stream;
+                routed.upstream.first_byte(routed.timed);
                 routed.exchange.on_upstream_body() == Flow::Hold
             }
             _ => false,

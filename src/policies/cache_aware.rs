@@ -175,7 +175,8 @@ pub struct CacheAwarePolicy {
     gate: AdmissionGate,
     random: Arc<dyn RandomSource>,
     bytes_per_token: u64,
-    /// Prefill rate assumed for an engine that does not report one (`load.prefill_tokens_per_s`).
+    /// The prior of the prefill rate learned for an engine that does not report one
+    /// (`load.prefill_tokens_per_s`).
     assumed_tokens_per_ms: f64,
 }
 
@@ -192,19 +193,28 @@ struct Holder {
 /// the tail bench (docs/benchmarks.md, "The tail").
 const UNCACHED_WEIGHT: f64 = 8.0;
 
-/// Waits that differ by less than this are treated as equal, so request counts and then the
-/// spreading of new prefixes decide between engines that are about as idle.
-const WAIT_QUANTUM_MS: f64 = 10.0;
+/// Waits up to this are treated as none, and longer ones as equal within [`WAIT_RATIO`], so request
+/// counts and then the spreading of new prefixes decide between engines that are about as idle —
+/// and engines whose learned speeds differ by noise, not by hardware, look alike.
+const WAIT_QUANTUM_MS: f64 = 20.0;
+const WAIT_RATIO: f64 = 1.25;
 
-/// A total order for load, never a pairwise comparator: the expected wait for a first token
-/// (turn for a slot, then the prefill queue: [`expected_wait_ms`]), then reported running +
+/// A wait's class: 0 up to [`WAIT_QUANTUM_MS`], then one more for each [`WAIT_RATIO`] times.
+fn wait_class(wait_ms: f64) -> u64 {
+    let over = wait_ms.max(WAIT_QUANTUM_MS) / WAIT_QUANTUM_MS;
+    (over.ln() / WAIT_RATIO.ln()) as u64
+}
+
+/// A total order for load, never a pairwise comparator: the class of the expected wait for a first
+/// token (turn for a slot, then the prefill queue and the request's own: [`expected_wait_ms`]),
+/// then reported running +
 /// waiting (router-local in-flight without a fresh report), then the uncached tokens the engine
 /// was ever sent — among engines equally idle a new prefix goes where the least distinct content
 /// went, what sglang-router's smallest tree measures — then in-flight, then id.
 fn load_key(w: &Engine, load: Option<&EngineLoad>, local: LocalLoad, wait_ms: f64) -> (u64, u64, u64, u64, String) {
     let reported = load.and_then(|l| Some(l.running?.saturating_add(l.waiting?)));
     (
-        (wait_ms / WAIT_QUANTUM_MS) as u64,
+        wait_class(wait_ms),
         reported.unwrap_or(local.inflight),
         local.prefilled_total / PREFILL_QUANTUM_TOKENS,
         local.inflight,
@@ -229,7 +239,7 @@ impl CacheAwarePolicy {
     fn cost_ms(&self, snapshot: &LoadSnapshot, w: &Engine, uncached: u64) -> f64 {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
-        let rate = prefill_rate(load, self.assumed_tokens_per_ms);
+        let rate = prefill_rate(load, &local, self.assumed_tokens_per_ms);
         expected_wait_ms(load, &local, uncached, self.assumed_tokens_per_ms) + UNCACHED_WEIGHT * uncached as f64 / rate
     }
 
@@ -238,10 +248,12 @@ impl CacheAwarePolicy {
         self.config.switch_margin_tokens as f64 / self.assumed_tokens_per_ms
     }
 
-    fn key(&self, snapshot: &LoadSnapshot, w: &Engine) -> (u64, u64, u64, u64, String) {
+    /// Where a request bringing `uncached` tokens waits least: on engines of one speed the same
+    /// order as by their queues alone; a slower engine is asked for less of the prefill.
+    fn key(&self, snapshot: &LoadSnapshot, w: &Engine, uncached: u64) -> (u64, u64, u64, u64, String) {
         let local = self.gate.inflight.local_load(&w.id);
         let load = snapshot.get(&w.id);
-        load_key(w, load, local, expected_wait_ms(load, &local, 0, self.assumed_tokens_per_ms))
+        load_key(w, load, local, expected_wait_ms(load, &local, uncached, self.assumed_tokens_per_ms))
     }
 
     fn waiting(snapshot: &LoadSnapshot, w: &Engine) -> Option<u64> {
@@ -278,7 +290,9 @@ impl CacheAwarePolicy {
                     .then(|| Holder { worker: Arc::clone(worker), matched_tokens })
             })
             .collect();
-        holders.sort_by_cached_key(|h| (std::cmp::Reverse(h.matched_tokens), self.key(snapshot, &h.worker)));
+        holders.sort_by_cached_key(|h| {
+            (std::cmp::Reverse(h.matched_tokens), self.key(snapshot, &h.worker, input.saturating_sub(h.matched_tokens)))
+        });
         let by_ratio = self.config.candidate_ratio.map_or(0, |r| (r * engines.len() as f64).ceil() as usize);
         let mut bound = self.config.min_candidates.max(by_ratio);
         if let Some(max) = self.config.max_candidates {
@@ -328,9 +342,10 @@ impl CacheAwarePolicy {
         &self,
         engines: &[Arc<Engine>],
         snapshot: &LoadSnapshot,
+        input: u64,
         reason: PickReason,
     ) -> Result<Pick, PickError> {
-        self.checked(self.fallback_engine(engines, snapshot), snapshot, reason)
+        self.checked(self.fallback_engine(engines, snapshot, input), snapshot, reason)
     }
 
     fn checked(
@@ -344,9 +359,14 @@ impl CacheAwarePolicy {
         Ok(Pick::new(Arc::clone(winner), reason))
     }
 
-    /// Step 6's choice: power-of-k over the engines inside the soft queue gate (all of them if none
-    /// is), the exact minimum when k covers the pool.
-    fn fallback_engine<'e>(&self, engines: &'e [Arc<Engine>], snapshot: &LoadSnapshot) -> Option<&'e Arc<Engine>> {
+    /// Step 6's choice for a request prefilling all its `input` tokens: power-of-k over the engines
+    /// inside the soft queue gate (all of them if none is), the exact minimum when k covers the pool.
+    fn fallback_engine<'e>(
+        &self,
+        engines: &'e [Arc<Engine>],
+        snapshot: &LoadSnapshot,
+        input: u64,
+    ) -> Option<&'e Arc<Engine>> {
         let open: Vec<&Arc<Engine>> = engines.iter().filter(|w| !self.queued(snapshot, w)).collect();
         let pool: Vec<&Arc<Engine>> = if open.is_empty() { engines.iter().collect() } else { open };
         let k = self.config.min_load_choices.max(1);
@@ -356,7 +376,7 @@ impl CacheAwarePolicy {
             let mut remaining = pool;
             (0..k).map(|_| remaining.swap_remove(self.random.below(remaining.len()))).collect()
         };
-        sampled.into_iter().min_by_key(|w| self.key(snapshot, w))
+        sampled.into_iter().min_by_key(|w| self.key(snapshot, w, input))
     }
 
     fn choose(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
@@ -365,7 +385,9 @@ impl CacheAwarePolicy {
         let snapshot = self.gate.load.snapshot();
         let matches = match &lookup {
             CacheLookup::Matches(m) => m,
-            CacheLookup::Unavailable(_) => return self.load_fallback(engines, &snapshot, PickReason::CacheUnavailable),
+            CacheLookup::Unavailable(_) => {
+                return self.load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheUnavailable)
+            }
         };
         // The chosen engine's match is what it is spared prefilling, whatever the reason it won.
         let cached = |pick: Pick| {
@@ -379,7 +401,7 @@ impl CacheAwarePolicy {
         };
         let holders = self.usable_holders(engines, matches, input, compared, &snapshot);
         if holders.is_empty() {
-            return self.load_fallback(engines, &snapshot, PickReason::CacheMiss).map(cached);
+            return self.load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheMiss).map(cached);
         }
         let (mut usable, reason): (Vec<Holder>, PickReason) = {
             let open: Vec<Holder> = holders.iter().filter(|h| !self.queued(&snapshot, &h.worker)).cloned().collect();
@@ -397,14 +419,16 @@ impl CacheAwarePolicy {
                 if covers {
                     (vec![best.clone()], PickReason::SaturationPin)
                 } else {
-                    return self.load_fallback(engines, &snapshot, PickReason::CacheMiss).map(cached);
+                    return self
+                        .load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheMiss)
+                        .map(cached);
                 }
             }
         };
         // The wait guard: a holder loses preference when the request would cost more there than at
         // the fallback's engine prefilling all of it, by more than the switch margin
         // (docs/architecture.md, "Design deviations").
-        let cold = self.fallback_engine(engines, &snapshot);
+        let cold = self.fallback_engine(engines, &snapshot, input);
         let limit_ms = cold.map(|w| self.cost_ms(&snapshot, w, input) + self.margin_ms());
         usable.retain(|h| {
             let cost = || self.cost_ms(&snapshot, &h.worker, input.saturating_sub(h.matched_tokens));
@@ -427,9 +451,9 @@ impl Policy for CacheAwarePolicy {
     /// The policy's load side: where a prompt nobody holds goes. A second walk of the prefix index
     /// for every request, for an engine that is used only when the first refuses, cost more than
     /// the whole rest of the filter's selection.
-    fn fallback(&self, engines: &[Arc<Engine>], _failed: &Engine, _request: &PickRequest<'_>) -> Option<Arc<Engine>> {
+    fn fallback(&self, engines: &[Arc<Engine>], _failed: &Engine, request: &PickRequest<'_>) -> Option<Arc<Engine>> {
         let snapshot = self.gate.load.snapshot();
-        self.load_fallback(engines, &snapshot, PickReason::CacheMiss).ok().map(|p| p.engine)
+        self.load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheMiss).ok().map(|p| p.engine)
     }
 }
 
@@ -442,7 +466,7 @@ mod tests {
     use crate::config::{AdmissionLimits, PressureGuard};
     use crate::policies::{Limit, Rejection, SeededRandom};
     use crate::registry::Role;
-    use crate::state::load_monitor::{InflightTable, MemoryInflight, PrefillWork};
+    use crate::state::load_monitor::{InflightTable, MemoryInflight, PrefillWork, Sample};
     use crate::testing::*;
 
     #[test]
@@ -772,12 +796,12 @@ mod tests {
     fn a_miss_goes_where_the_least_distinct_content_went_among_equally_idle_engines() {
         let s = State::new();
         s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
-        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9 });
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
         s.inflight.release("A", 4_096, 5);
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
         let r = pick(&p, &["A", "B"], 1000).unwrap();
         assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::CacheMiss));
-        s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9 });
+        s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9, ahead: 0 });
         s.inflight.release("B", 8_192, 5);
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
     }
@@ -787,13 +811,53 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 0))]);
         // Sent 2,000 tokens at 1 token/ms: 2 s of prefill the report does not show.
-        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 1.0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 1.0, ahead: 0 });
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B");
         s.inflight.set_now(2_000);
         // Drained: the next difference decides — B was given more distinct content than A.
-        s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9 });
+        s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9, ahead: 0 });
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
+    }
+
+    /// `worker` answered `n` streamed requests of mixed lengths at `tokens_per_ms`.
+    fn learned(s: &State, worker: &str, tokens_per_ms: f64, n: u64) {
+        for i in 0..n {
+            let tokens = 100 + (i % 5) * 700;
+            s.inflight.acquire(worker, PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0 });
+            let ms = 5 + (tokens as f64 / tokens_per_ms) as u64;
+            s.inflight.first_byte(worker, tokens, Some(Sample { tokens, ms }), 20.0);
+            s.inflight.release(worker, 0, ms);
+        }
+    }
+
+    #[test]
+    fn a_miss_goes_to_the_engine_that_prefills_it_sooner_by_what_the_router_learned() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        // By the prior both prefill at 20 tokens/ms; A was given more distinct content.
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.release("A", 4_096, 5);
+        assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "B");
+        // B turns out four times slower than A: a long prompt goes to A, a short one still
+        // spreads by content (its prefill takes a few milliseconds anywhere).
+        learned(&s, "A", 8.0, 40);
+        learned(&s, "B", 2.0, 40);
+        assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "A");
+        assert_eq!(pick(&p, &["A", "B"], 20).unwrap().engine.id, "B");
+    }
+
+    #[test]
+    fn engines_of_one_speed_learned_with_noise_still_spread_new_prefixes_by_content() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
+        learned(&s, "A", 8.2, 40);
+        learned(&s, "B", 7.8, 40);
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.release("A", 4_096, 5);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "B", "A was given more, though a little faster");
     }
 
     #[test]

@@ -16,11 +16,12 @@ pub fn pending_prefill(load: Option<&EngineLoad>, local: &LocalLoad) -> u64 {
     load.and_then(|l| l.waiting_uncached_tokens).unwrap_or(local.pending_prefill_tokens)
 }
 
-/// An engine's prefill rate in tokens per millisecond: measured from its counters, else assumed.
-pub fn prefill_rate(load: Option<&EngineLoad>, assumed_tokens_per_ms: f64) -> f64 {
+/// An engine's prefill rate in tokens per millisecond: measured from its counters, else as the
+/// router learned it from the engine's first bytes, on the configured `prior_tokens_per_ms`.
+pub fn prefill_rate(load: Option<&EngineLoad>, local: &LocalLoad, prior_tokens_per_ms: f64) -> f64 {
     load.and_then(|l| l.prefill_tokens_per_ms)
         .filter(|r| *r > 0.0)
-        .unwrap_or(assumed_tokens_per_ms)
+        .unwrap_or_else(|| local.speed.speed(prior_tokens_per_ms).tokens_per_ms)
         .max(f64::MIN_POSITIVE)
 }
 
@@ -28,16 +29,12 @@ pub fn prefill_rate(load: Option<&EngineLoad>, assumed_tokens_per_ms: f64) -> f6
 /// token, in milliseconds, by what the router can see: its turn for a running slot (the requests
 /// ahead of it beyond the engine's slots, reported plus sent since the report, each costing the
 /// engine's average hold time shared over its slots), then the prefill queue and its own tokens
-/// at the engine's prefill rate (measured, else `assumed_tokens_per_ms`). Unknown parts count as
-/// none.
-pub fn expected_wait_ms(
-    load: Option<&EngineLoad>,
-    local: &LocalLoad,
-    uncached: u64,
-    assumed_tokens_per_ms: f64,
-) -> f64 {
-    let prefill =
-        pending_prefill(load, local).saturating_add(uncached) as f64 / prefill_rate(load, assumed_tokens_per_ms);
+/// at the engine's prefill rate ([`prefill_rate`]), and the engine's learned time to a first byte
+/// with nothing to prefill. Unknown parts count as none.
+pub fn expected_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad, uncached: u64, prior_tokens_per_ms: f64) -> f64 {
+    let overhead = local.speed.speed(prior_tokens_per_ms).overhead_ms;
+    let prefill = overhead
+        + pending_prefill(load, local).saturating_add(uncached) as f64 / prefill_rate(load, local, prior_tokens_per_ms);
     let slot = match (load, local.hold_ms) {
         (Some(l), Some(hold_ms)) => match (l.running, l.waiting, l.max_running) {
             (Some(running), Some(waiting), Some(slots)) if slots > 0 => {

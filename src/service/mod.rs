@@ -316,16 +316,25 @@ impl ServiceCore {
     fn gauges(&mut self, now: u64) -> Vec<(String, u64)> {
         self.inflight.sync_if_due();
         let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
-        let mut gauges = Vec::with_capacity(2 * self.workers.len() + 8);
+        let mut gauges = Vec::with_capacity(4 * self.workers.len() + 8);
         for id in std::mem::take(&mut self.retired) {
             let id = label(&id);
             gauges.push((format!("sgl_router_inflight.worker.{id}"), 0));
             gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), 0));
+            gauges.push((format!("sgl_router_prefill_tokens_per_s.worker.{id}"), 0));
+            gauges.push((format!("sgl_router_first_byte_overhead_ms.worker.{id}"), 0));
         }
+        let prior = self.config.load.prefill_tokens_per_s / 1000.0;
         let mut fresh = 0;
         for w in &self.workers {
             let id = label(&w.id);
-            gauges.push((format!("sgl_router_inflight.worker.{id}"), self.inflight.inflight(&w.id)));
+            let local = self.inflight.local_load(&w.id);
+            gauges.push((format!("sgl_router_inflight.worker.{id}"), local.inflight));
+            // The speed the filters learned (the prior until a streamed answer came back).
+            let speed = local.speed.speed(prior);
+            gauges
+                .push((format!("sgl_router_prefill_tokens_per_s.worker.{id}"), (speed.tokens_per_ms * 1000.0) as u64));
+            gauges.push((format!("sgl_router_first_byte_overhead_ms.worker.{id}"), speed.overhead_ms as u64));
             let has_report = snapshot.get(&w.id).is_some();
             fresh += u64::from(has_report);
             gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), u64::from(has_report)));

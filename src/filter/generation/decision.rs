@@ -87,6 +87,8 @@ pub struct Decision {
     /// The input tokens the prefill engine does not hold by its policy's prefix lookup (all of
     /// them without one): the work its pending-prefill estimate gains.
     pub prefill_tokens: u64,
+    /// The client asked for a streamed answer: its first body byte follows the first token.
+    pub stream: bool,
 }
 
 impl Decision {
@@ -277,6 +279,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         refused: None,
         result: Ok(Decision {
             prefill_tokens: selection.input_tokens.saturating_sub(cached_tokens),
+            stream: ticket.facts.stream,
             bucket_id: selection.bucket_id,
             upstream_headers: wiring.upstream.for_request(target.upstream(), &fallbacks),
             fallbacks,

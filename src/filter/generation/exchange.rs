@@ -183,6 +183,7 @@ mod tests {
             prefix_event: Some(event("A")),
             notices: vec![],
             prefill_tokens: 0,
+            stream: false,
         });
         x.dispatched("A");
         x
@@ -208,6 +209,7 @@ mod tests {
             prefix_event: Some(event("P")),
             notices: vec![],
             prefill_tokens: 0,
+            stream: false,
         });
         x.dispatched("P");
         x.dispatched("D");

@@ -1,23 +1,27 @@
 //! Router-local accounting of what was sent to each engine (design §6): requests in flight, a
 //! cumulative dispatch counter for correcting reports by what was sent since, and the uncached
 //! prompt tokens still to prefill — the same correction in tokens, for engines that do not report
-//! their prefill queue (a documented deviation: docs/architecture.md, "Design deviations").
+//! their prefill queue (a documented deviation: docs/architecture.md, "Design deviations") — and
+//! each engine's prefill speed as learned from its first bytes (`speed.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Prefill work one dispatch hands an engine: its uncached prompt tokens, and the rate at which
-/// the engine's prefill drains them.
+use super::speed::{Sample, SpeedFit};
+
+/// Prefill work one dispatch hands an engine: its uncached prompt tokens, the rate at which the
+/// engine's prefill drains them, and the uncached tokens queued ahead of them there.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PrefillWork {
     pub tokens: u64,
     pub tokens_per_ms: f64,
+    pub ahead: u64,
 }
 
 impl PrefillWork {
     /// A stage with no prefill work (a PD decode engine).
-    pub const NONE: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 0.0 };
+    pub const NONE: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 0.0, ahead: 0 };
 }
 
 /// What the router itself knows of one engine.
@@ -33,6 +37,8 @@ pub struct LocalLoad {
     /// How long a request held the engine, dispatch to end, on a moving average (none finished yet:
     /// `None`). What one request ahead in its queue costs a new one, times its slots.
     pub hold_ms: Option<f64>,
+    /// The engine's prefill speed as its first bytes showed it.
+    pub speed: SpeedFit,
 }
 
 /// Weight of the newest request in the moving average of hold times.
@@ -50,8 +56,12 @@ pub(super) fn averaged(old_ms: f64, held_ms: u64) -> f64 {
 pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn local_load(&self, worker: &str) -> LocalLoad;
     fn acquire(&self, worker: &str, work: PrefillWork);
-    /// Ends a dispatch that brought `prefill_tokens` and held the engine `held_ms`; never goes
-    /// below zero.
+    /// A dispatch that brought `prefill_tokens` got its first byte back: its prefill is done, and
+    /// `sample` (when its first byte followed its first token) teaches the engine's speed, on
+    /// `prior_tokens_per_ms` while little is known.
+    fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64);
+    /// Ends a dispatch whose `prefill_tokens` are still outstanding (none after its first byte)
+    /// and that held the engine `held_ms`; never goes below zero.
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64);
     /// The clock hold times are measured on.
     fn now_ms(&self) -> u64;
@@ -105,22 +115,41 @@ impl PrefillQueue {
 pub struct InflightGuard {
     table: Arc<dyn InflightTable>,
     worker: String,
-    prefill_tokens: u64,
+    work: PrefillWork,
+    /// The configured rate, which a young speed fit leans on.
+    prior_tokens_per_ms: f64,
     started_ms: u64,
+    /// The first byte came back: the prefill is no longer outstanding.
+    prefilled: bool,
 }
 
 impl InflightGuard {
-    pub fn acquire(table: Arc<dyn InflightTable>, worker: &str, work: PrefillWork) -> Self {
+    pub fn acquire(table: Arc<dyn InflightTable>, worker: &str, work: PrefillWork, prior_tokens_per_ms: f64) -> Self {
         table.acquire(worker, work);
         let started_ms = table.now_ms();
-        Self { table, worker: worker.to_string(), prefill_tokens: work.tokens, started_ms }
+        Self { table, worker: worker.to_string(), work, prior_tokens_per_ms, started_ms, prefilled: false }
+    }
+
+    /// The engine's first byte: its prefill of this request is done. `timed`: the byte followed
+    /// the first token (a streamed answer of the engine that prefilled), so its time is a sample of
+    /// the engine's speed; a whole answer's first byte comes after its decode too.
+    pub fn first_byte(&mut self, timed: bool) {
+        if std::mem::replace(&mut self.prefilled, true) {
+            return;
+        }
+        let sample = timed.then(|| Sample {
+            tokens: self.work.ahead.saturating_add(self.work.tokens),
+            ms: self.table.now_ms().saturating_sub(self.started_ms),
+        });
+        self.table.first_byte(&self.worker, self.work.tokens, sample, self.prior_tokens_per_ms);
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         let held_ms = self.table.now_ms().saturating_sub(self.started_ms);
-        self.table.release(&self.worker, self.prefill_tokens, held_ms);
+        let outstanding = if self.prefilled { 0 } else { self.work.tokens };
+        self.table.release(&self.worker, outstanding, held_ms);
     }
 }
 
@@ -153,6 +182,7 @@ pub(super) struct Record {
     pub(super) prefilled: u64,
     pub(super) queue: PrefillQueue,
     pub(super) hold_ms: f64,
+    pub(super) speed: SpeedFit,
 }
 
 impl Record {
@@ -162,6 +192,13 @@ impl Record {
         self.prefilled = self.prefilled.saturating_add(work.tokens);
         self.outstanding_tokens = self.outstanding_tokens.saturating_add(work.tokens);
         self.queue.add(now_ms, self.outstanding_tokens, work);
+    }
+
+    pub(super) fn first_byte(&mut self, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
+        self.outstanding_tokens = self.outstanding_tokens.saturating_sub(prefill_tokens);
+        if let Some(sample) = sample {
+            self.speed.observe(sample, prior_tokens_per_ms);
+        }
     }
 
     pub(super) fn release(&mut self, prefill_tokens: u64, held_ms: u64) {
@@ -177,6 +214,7 @@ impl Record {
             pending_prefill_tokens: self.queue.at(now_ms, self.outstanding_tokens),
             prefilled_total: self.prefilled,
             hold_ms: (self.hold_ms > 0.0).then_some(self.hold_ms),
+            speed: self.speed,
         }
     }
 }
@@ -192,6 +230,12 @@ impl InflightTable for MemoryInflight {
         let now = self.now_ms.load(Ordering::SeqCst);
         if let Ok(mut c) = self.records.lock() {
             c.entry(worker.to_string()).or_default().acquire(now, work);
+        }
+    }
+
+    fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
+        if let Ok(mut c) = self.records.lock() {
+            c.entry(worker.to_string()).or_default().first_byte(prefill_tokens, sample, prior_tokens_per_ms);
         }
     }
 
@@ -218,8 +262,8 @@ mod tests {
     #[test]
     fn guards_release_on_drop_and_never_go_below_zero() {
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
-        let a = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE);
-        let _b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE);
+        let a = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0);
+        let _b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0);
         assert_eq!(table.inflight("A"), 2);
         drop(a);
         assert_eq!(table.inflight("A"), 1);
@@ -229,7 +273,7 @@ mod tests {
         assert_eq!(table.dispatched_total("A"), 2);
     }
 
-    const FAST: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 10.0 };
+    const FAST: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 10.0, ahead: 0 };
 
     #[test]
     fn pending_prefill_drains_at_the_engines_rate() {
@@ -257,14 +301,33 @@ mod tests {
     #[test]
     fn finished_requests_bound_the_estimate() {
         // A rate far below the engine's: the estimate would linger, but the requests finished.
-        let slow = PrefillWork { tokens: 1_000, tokens_per_ms: 0.001 };
+        let slow = PrefillWork { tokens: 1_000, tokens_per_ms: 0.001, ahead: 0 };
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
-        let a = InflightGuard::acquire(Arc::clone(&table), "A", slow);
-        let b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 300, ..slow });
+        let a = InflightGuard::acquire(Arc::clone(&table), "A", slow, 20.0);
+        let b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 300, ..slow }, 20.0);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 1_300);
         drop(a);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 300);
         drop(b);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn a_first_byte_ends_the_prefill_and_a_timed_one_teaches_the_speed() {
+        let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
+        let work = PrefillWork { tokens: 800, tokens_per_ms: 0.001, ahead: 400 };
+        let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0);
+        let mut b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 100, ..work }, 20.0);
+        assert_eq!(table.local_load("A").pending_prefill_tokens, 900);
+        a.first_byte(false);
+        a.first_byte(true);
+        assert_eq!(table.local_load("A").pending_prefill_tokens, 100, "its prefill is done");
+        assert_eq!(table.local_load("A").speed.weight(), 0.0, "a whole answer's first byte is no sample");
+        b.first_byte(true);
+        assert_eq!(table.local_load("A").speed.weight(), 1.0);
+        drop(a);
+        drop(b);
+        let load = table.local_load("A");
+        assert_eq!((load.inflight, load.pending_prefill_tokens), (0, 0), "nothing released twice");
     }
 }

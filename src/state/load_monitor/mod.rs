@@ -7,6 +7,7 @@ mod poller;
 mod reports;
 mod shared_inflight;
 mod shared_view;
+mod speed;
 mod table;
 
 pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork};
@@ -14,4 +15,5 @@ pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};
 pub use shared_inflight::{SharedInflight, SYNC_MS};
 pub use shared_view::SharedLoadView;
+pub use speed::{Sample, Speed, SpeedFit};
 pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};

@@ -20,6 +20,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
+use super::speed::{Sample, SpeedFit};
 use crate::host::{Host, HostError};
 use crate::state::schedule::Period;
 use crate::state::shared::decode_u64;
@@ -29,11 +30,15 @@ use crate::state::{keys, vm_registry};
 pub const SYNC_MS: u64 = 5;
 
 /// Leads each VM's key: an empty value would read back as absent.
-const SHARE_HEADER: [u8; 8] = *b"sglinf03";
+const SHARE_HEADER: [u8; 8] = *b"sglinf04";
 /// Leads the dead VMs' folded totals, which only the service writes.
-const RETIRED_HEADER: [u8; 8] = *b"sglret03";
-const RECORD_WORDS: usize = 8;
-const RETIRED_WORDS: usize = 2;
+const RETIRED_HEADER: [u8; 8] = *b"sglret04";
+const RECORD_WORDS: usize = 14;
+const RETIRED_WORDS: usize = 8;
+
+/// A dead VM's speed samples count this much less each time another VM dies: a line of restarts
+/// leaves the fit what the live VMs see plus at most about two VMs' worth of history.
+const RETIRED_SPEED_DECAY: f64 = 0.5;
 
 /// A value naming its workers, then one row of `W` words per worker: VMs configured at different
 /// times (a live update of the filter configuration) list different workers, in different orders.
@@ -93,6 +98,7 @@ fn decode_rows<const W: usize>(
 
 fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
     let q = &r.queue;
+    let [a, b, c, d, e, f] = r.speed.words();
     [
         r.inflight,
         r.total,
@@ -102,7 +108,20 @@ fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
         q.at_ms,
         q.tokens_per_ms.to_bits(),
         r.hold_ms.to_bits(),
+        a,
+        b,
+        c,
+        d,
+        e,
+        f,
     ]
+}
+
+fn speed_words(w: &[u64]) -> SpeedFit {
+    match <[u64; 6]>::try_from(w) {
+        Ok(words) => SpeedFit::from_words(words),
+        Err(_) => SpeedFit::default(),
+    }
 }
 
 fn row_record(w: [u64; RECORD_WORDS]) -> Record {
@@ -113,7 +132,21 @@ fn row_record(w: [u64; RECORD_WORDS]) -> Record {
         prefilled: w[3],
         queue: PrefillQueue { tokens: w[4], at_ms: w[5], tokens_per_ms: f64::from_bits(w[6]) },
         hold_ms: f64::from_bits(w[7]),
+        speed: speed_words(&w[8..]),
     }
+}
+
+/// What the dead VMs leave: their dispatch totals, and what they learned of each engine's speed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Retired {
+    total: u64,
+    prefilled: u64,
+    speed: SpeedFit,
+}
+
+fn retired_row(r: &Retired) -> [u64; RETIRED_WORDS] {
+    let [a, b, c, d, e, f] = r.speed.words();
+    [r.total, r.prefilled, a, b, c, d, e, f]
 }
 
 /// A VM's published records, by `index`'s positions (absent workers: zero), or `None` for a value
@@ -128,11 +161,11 @@ fn decode_records(bytes: &[u8], index: &hashbrown::HashMap<String, usize>) -> Op
     Some(out)
 }
 
-fn decode_retired(bytes: &[u8], index: &hashbrown::HashMap<String, usize>) -> Vec<(u64, u64)> {
-    let mut out = vec![(0, 0); index.len()];
-    for (slot, [total, prefilled]) in decode_rows::<RETIRED_WORDS>(bytes, &RETIRED_HEADER, index).unwrap_or_default() {
+fn decode_retired(bytes: &[u8], index: &hashbrown::HashMap<String, usize>) -> Vec<Retired> {
+    let mut out = vec![Retired::default(); index.len()];
+    for (slot, row) in decode_rows::<RETIRED_WORDS>(bytes, &RETIRED_HEADER, index).unwrap_or_default() {
         if let Some(s) = out.get_mut(slot) {
-            *s = (total, prefilled);
+            *s = Retired { total: row[0], prefilled: row[1], speed: speed_words(&row[2..]) };
         }
     }
     out
@@ -150,7 +183,7 @@ fn merged_hold(a: &Record, b: &Record) -> f64 {
 }
 
 /// Adds `other` (one VM's records, evaluated at `now_ms`) into `sum`: counts add, prefill lanes
-/// add what is left of each, the hold time is the weighted mean.
+/// add what is left of each, the hold time is the weighted mean, speed samples add up.
 fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
     let hold_ms = merged_hold(sum, other);
     let left =
@@ -165,6 +198,7 @@ fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
         tokens_per_ms: sum.queue.tokens_per_ms.max(other.queue.tokens_per_ms),
     };
     sum.hold_ms = hold_ms;
+    sum.speed = sum.speed.merged(&other.speed);
 }
 
 #[derive(Debug)]
@@ -224,8 +258,8 @@ impl SharedInflight {
         encode_rows(&SHARE_HEADER, self.names.iter().zip(records).map(|(id, r)| (id.as_str(), record_row(r))))
     }
 
-    fn encode_retired(&self, retired: &[(u64, u64)]) -> Vec<u8> {
-        encode_rows(&RETIRED_HEADER, self.names.iter().zip(retired).map(|(id, &(t, p))| (id.as_str(), [t, p])))
+    fn encode_retired(&self, retired: &[Retired]) -> Vec<u8> {
+        encode_rows(&RETIRED_HEADER, self.names.iter().zip(retired).map(|(id, r)| (id.as_str(), retired_row(r))))
     }
 
     fn others(&self, now_ms: u64) -> Result<Vec<Record>, HostError> {
@@ -242,22 +276,24 @@ impl SharedInflight {
             }
         }
         if let Some(value) = self.host.shared_get(keys::INFLIGHT_RETIRED)? {
-            for (s, (total, prefilled)) in sum.iter_mut().zip(decode_retired(&value.bytes, &self.index)) {
-                s.total = s.total.saturating_add(total);
-                s.prefilled = s.prefilled.saturating_add(prefilled);
+            for (s, r) in sum.iter_mut().zip(decode_retired(&value.bytes, &self.index)) {
+                s.total = s.total.saturating_add(r.total);
+                s.prefilled = s.prefilled.saturating_add(r.prefilled);
+                s.speed = s.speed.merged(&r.speed);
             }
         }
         Ok(sum)
     }
 
     /// The service's sweep: folds the dispatch totals of VMs that died into the retired record
-    /// (so corrections by dispatches since a report do not jump back), drops their requests, and
-    /// empties their keys. Returns how many in-flight requests were dropped.
+    /// (so corrections by dispatches since a report do not jump back) with what they learned of
+    /// the engines' speed (so a restarted VM does not start from the prior), drops their requests,
+    /// and empties their keys. Returns how many in-flight requests were dropped.
     pub fn reclaim(&self, dead: &[u64]) -> Result<u64, HostError> {
         let host = self.host.as_ref();
         let mut retired = match host.shared_get(keys::INFLIGHT_RETIRED)? {
             Some(v) => decode_retired(&v.bytes, &self.index),
-            None => vec![(0, 0); self.workers()],
+            None => vec![Retired::default(); self.workers()],
         };
         let mut dropped = 0u64;
         let mut emptied = Vec::new();
@@ -266,8 +302,9 @@ impl SharedInflight {
             let Some(value) = host.shared_get(&key)? else { continue };
             let Some(records) = decode_records(&value.bytes, &self.index) else { continue };
             for (slot, r) in retired.iter_mut().zip(&records) {
-                slot.0 = slot.0.saturating_add(r.total);
-                slot.1 = slot.1.saturating_add(r.prefilled);
+                slot.total = slot.total.saturating_add(r.total);
+                slot.prefilled = slot.prefilled.saturating_add(r.prefilled);
+                slot.speed = slot.speed.scaled(RETIRED_SPEED_DECAY).merged(&r.speed);
                 dropped = dropped.saturating_add(r.inflight);
             }
             emptied.push(key);
@@ -353,6 +390,10 @@ impl InflightTable for SharedInflight {
     fn acquire(&self, worker: &str, work: PrefillWork) {
         let now = self.host.now_ms();
         self.with_own(worker, |r| r.acquire(now, work));
+    }
+
+    fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
+        self.with_own(worker, |r| r.first_byte(prefill_tokens, sample, prior_tokens_per_ms));
     }
 
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
@@ -534,7 +575,7 @@ mod tests {
     fn every_vms_prefill_lane_counts_and_a_dead_vms_tokens_leave_the_bound() {
         let host = Arc::new(MemoryHost::default());
         let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
-        let work = PrefillWork { tokens: 400, tokens_per_ms: 0.001 };
+        let work = PrefillWork { tokens: 400, tokens_per_ms: 0.001, ahead: 0 };
         vm1.acquire("A", work);
         vm2.acquire("A", work);
         vm2.sync();
@@ -576,5 +617,60 @@ mod tests {
         vm1.acquire("A", PrefillWork::NONE);
         vm1.sync();
         assert_eq!(vm1.inflight("A"), 1);
+    }
+
+    /// An engine at 5 tokens/ms with 10 ms of overhead, seen by `vm` over `n` requests.
+    fn teach(vm: &SharedInflight, n: u64) {
+        for i in 0..n {
+            let tokens = 100 + (i % 7) * 500;
+            vm.acquire("A", PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0 });
+            vm.first_byte("A", tokens, Some(Sample { tokens, ms: 10 + tokens / 5 }), 20.0);
+            vm.release("A", 0, 50);
+        }
+    }
+
+    fn rate(vm: &SharedInflight) -> f64 {
+        vm.local_load("A").speed.speed(20.0).tokens_per_ms
+    }
+
+    #[test]
+    fn what_one_vm_learns_of_an_engine_every_vm_uses() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        teach(&vm1, 100);
+        assert!((rate(&vm1) - 5.0).abs() < 0.25, "{}", rate(&vm1));
+        assert_eq!(rate(&vm2), 20.0, "not synced yet: the prior");
+        vm1.sync();
+        vm2.sync();
+        assert!((rate(&vm2) - 5.0).abs() < 0.25, "{}", rate(&vm2));
+        assert_eq!(vm2.local_load("B").speed, SpeedFit::default(), "engines apart");
+    }
+
+    #[test]
+    fn what_a_dead_vm_learned_survives_its_restart() {
+        let host = Arc::new(MemoryHost::default());
+        let old = vm(&host, 1);
+        teach(&old, 100);
+        old.sync();
+        vm_registry::heartbeat(host.as_ref(), 2, 20_000, true).unwrap();
+        vm_registry::sweep(host.as_ref(), 20_000).unwrap();
+        SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS).reclaim(&[1]).unwrap();
+        // The VM comes back under a new id, with nothing of its own.
+        let new = vm(&host, 2);
+        assert_eq!(rate(&new), 20.0);
+        new.sync();
+        assert!((rate(&new) - 5.0).abs() < 0.25, "{}", rate(&new));
+        // A second death halves the first one's weight: history stays bounded.
+        teach(&new, 100);
+        new.sync();
+        let weight = new.local_load("A").speed.weight();
+        vm_registry::heartbeat(host.as_ref(), 3, 40_000, true).unwrap();
+        vm_registry::sweep(host.as_ref(), 40_000).unwrap();
+        SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS).reclaim(&[2]).unwrap();
+        let third = vm(&host, 3);
+        third.sync();
+        let left = third.local_load("A").speed.weight();
+        assert!(left < weight && left > weight * 0.7, "{left} of {weight}");
+        assert!((rate(&third) - 5.0).abs() < 0.25);
     }
 }

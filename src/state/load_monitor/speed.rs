@@ -1,0 +1,290 @@
+//! An engine's prefill speed as the router observes it (issue 29): each streamed request's time to
+//! first byte against the prefill tokens that had to go before it — the uncached tokens queued
+//! ahead of it at the engine, by the router's own account, and its own. A robust least-squares
+//! line through those points gives the engine's prefill rate (its slope) and its fixed time to a
+//! first byte (its intercept: a scheduler turn, the launch, the network).
+//!
+//! The fit is kept as sums, so the records of several VMs add up to the fit over all their
+//! samples; each VM forgets its own samples geometrically, so a fit follows an engine that slows
+//! down. The configured rate (`load.prefill_tokens_per_s`) is the prior: two pseudo-samples on its
+//! line that real samples outweigh within a few requests, and that keep a fit from the same few
+//! prompt lengths from tilting far.
+
+/// The weight a VM's newest sample takes from its older ones: about the last 32 samples count.
+const FORGET: f64 = 1.0 / 32.0;
+
+/// The prior slope's weight: as much as this many samples [`PRIOR_TOKENS`] from their mean.
+const PRIOR_WEIGHT: f64 = 0.05;
+
+/// A cold prompt's length.
+const PRIOR_TOKENS: f64 = 2048.0;
+
+/// A sample further from the line than this many mean deviations counts less (Huber): a request
+/// that waited for a running slot, or for a long decode step, says little about prefill.
+const HUBER: f64 = 3.0;
+
+/// How fast the mean deviation follows new residuals.
+const SCALE_WEIGHT: f64 = 1.0 / 32.0;
+
+/// A learned rate stays within this factor of the prior either way: a fit from odd samples never
+/// makes an engine look idle or dead.
+const RATE_RANGE: f64 = 16.0;
+
+/// The intercept is at most this many milliseconds.
+const MAX_OVERHEAD_MS: f64 = 10_000.0;
+
+/// One observation: `tokens` to prefill before the request's own first token (queued ahead of it
+/// and its own uncached ones), and the milliseconds until its first byte.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    pub tokens: u64,
+    pub ms: u64,
+}
+
+/// What the fit says of an engine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Speed {
+    pub tokens_per_ms: f64,
+    /// Time to a first byte with nothing to prefill.
+    pub overhead_ms: f64,
+}
+
+impl Speed {
+    /// The prior alone: the configured rate, no overhead.
+    pub fn prior(tokens_per_ms: f64) -> Self {
+        Self { tokens_per_ms: tokens_per_ms.max(f64::MIN_POSITIVE), overhead_ms: 0.0 }
+    }
+
+    pub fn first_byte_ms(&self, tokens: u64) -> f64 {
+        self.overhead_ms + tokens as f64 / self.tokens_per_ms
+    }
+}
+
+/// The weighted sums of a least-squares fit of milliseconds on tokens, and the mean absolute
+/// residual the outlier weight is measured against. All zero: no sample yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SpeedFit {
+    pub(super) weight: f64,
+    pub(super) x: f64,
+    pub(super) y: f64,
+    pub(super) xx: f64,
+    pub(super) xy: f64,
+    pub(super) deviation: f64,
+}
+
+impl SpeedFit {
+    /// Samples' weight behind the fit, forgotten ones discounted.
+    pub fn weight(&self) -> f64 {
+        self.weight
+    }
+
+    /// The fit's line: its slope pulled toward the prior's as if by [`PRIOR_WEIGHT`] samples spread
+    /// [`PRIOR_TOKENS`] apart, its intercept the samples' own.
+    pub fn speed(&self, prior_tokens_per_ms: f64) -> Speed {
+        let prior = Speed::prior(prior_tokens_per_ms);
+        // No sample (or a NaN that slipped through): the prior.
+        if self.weight.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            return prior;
+        }
+        let slope0 = 1.0 / prior.tokens_per_ms;
+        let (mean_x, mean_y) = (self.x / self.weight, self.y / self.weight);
+        let spread = (self.xx - self.x * mean_x).max(0.0);
+        let co = self.xy - self.x * mean_y;
+        let ridge = PRIOR_WEIGHT * PRIOR_TOKENS * PRIOR_TOKENS;
+        let slope = ((co + ridge * slope0) / (spread + ridge)).clamp(slope0 / RATE_RANGE, slope0 * RATE_RANGE);
+        let overhead = (mean_y - slope * mean_x).clamp(0.0, MAX_OVERHEAD_MS);
+        if slope.is_finite() && overhead.is_finite() {
+            Speed { tokens_per_ms: 1.0 / slope, overhead_ms: overhead }
+        } else {
+            prior
+        }
+    }
+
+    /// Adds a sample, forgetting a little of the older ones; one far off the line counts less.
+    pub fn observe(&mut self, sample: Sample, prior_tokens_per_ms: f64) {
+        let (x, y) = (sample.tokens as f64, sample.ms as f64);
+        let residual = (y - self.speed(prior_tokens_per_ms).first_byte_ms(sample.tokens)).abs();
+        let limit = HUBER * self.deviation;
+        let weight = if self.deviation > 0.0 && residual > limit { limit / residual } else { 1.0 };
+        let keep = 1.0 - FORGET;
+        self.weight = self.weight * keep + weight;
+        self.x = self.x * keep + weight * x;
+        self.y = self.y * keep + weight * y;
+        self.xx = self.xx * keep + weight * x * x;
+        self.xy = self.xy * keep + weight * x * y;
+        // A discounted sample still widens the band, up to twice its limit: an engine that changed
+        // speed is an outlier only until the band takes it in. A millisecond floor: the clock's
+        // resolution.
+        let residual = if weight < 1.0 { residual.min(2.0 * limit) } else { residual }.max(1.0);
+        self.deviation =
+            if self.deviation > 0.0 { self.deviation + SCALE_WEIGHT * (residual - self.deviation) } else { residual };
+    }
+
+    /// Two fits over disjoint samples, as one.
+    pub fn merged(&self, other: &SpeedFit) -> SpeedFit {
+        let weight = self.weight + other.weight;
+        let deviation =
+            if weight > 0.0 { (self.deviation * self.weight + other.deviation * other.weight) / weight } else { 0.0 };
+        SpeedFit {
+            weight,
+            x: self.x + other.x,
+            y: self.y + other.y,
+            xx: self.xx + other.xx,
+            xy: self.xy + other.xy,
+            deviation,
+        }
+    }
+
+    /// The fit with its samples counted `factor` times (a dead VM's, as it ages).
+    pub fn scaled(&self, factor: f64) -> SpeedFit {
+        SpeedFit {
+            weight: self.weight * factor,
+            x: self.x * factor,
+            y: self.y * factor,
+            xx: self.xx * factor,
+            xy: self.xy * factor,
+            deviation: self.deviation,
+        }
+    }
+
+    pub(super) fn words(&self) -> [u64; 6] {
+        [self.weight, self.x, self.y, self.xx, self.xy, self.deviation].map(f64::to_bits)
+    }
+
+    /// A fit read back from shared data; one that is not finite and non-negative is no fit.
+    pub(super) fn from_words(w: [u64; 6]) -> SpeedFit {
+        let [weight, x, y, xx, xy, deviation] = w.map(f64::from_bits);
+        let fit = SpeedFit { weight, x, y, xx, xy, deviation };
+        let sane = [weight, x, y, xx, deviation].iter().all(|v| v.is_finite() && *v >= 0.0) && xy.is_finite();
+        if sane {
+            fit
+        } else {
+            SpeedFit::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::test;
+
+    /// A first-come-first-served engine at `tokens_per_ms` with `overhead_ms` per request, and
+    /// requests of mixed lengths arriving with some work ahead of them.
+    fn engine_samples(tokens_per_ms: f64, overhead_ms: f64, n: usize, seed: u64) -> Vec<Sample> {
+        let mut state = seed.max(1);
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        (0..n)
+            .map(|_| {
+                let own = [64, 150, 300, 2_100][(next() % 4) as usize];
+                let ahead = next() % 3_000;
+                let tokens = own + ahead;
+                let jitter = (next() % 5) as f64;
+                Sample { tokens, ms: (overhead_ms + tokens as f64 / tokens_per_ms + jitter).round() as u64 }
+            })
+            .collect()
+    }
+
+    fn close(a: f64, b: f64, within: f64) -> bool {
+        (a - b).abs() <= within * b
+    }
+
+    #[test]
+    fn without_samples_the_prior_is_the_answer() {
+        let s = SpeedFit::default().speed(20.0);
+        assert_eq!(s, Speed { tokens_per_ms: 20.0, overhead_ms: 0.0 });
+    }
+
+    #[test]
+    fn converges_on_a_known_rate_and_overhead() {
+        let mut fit = SpeedFit::default();
+        for s in engine_samples(8.0, 15.0, 300, 7) {
+            fit.observe(s, 20.0);
+        }
+        let speed = fit.speed(20.0);
+        assert!(close(speed.tokens_per_ms, 8.0, 0.05), "{speed:?}");
+        assert!((speed.overhead_ms - 17.0).abs() < 4.0, "15 ms and a 0–4 ms jitter: {speed:?}");
+    }
+
+    #[test]
+    fn adapts_when_an_engine_slows_down() {
+        let mut fit = SpeedFit::default();
+        for s in engine_samples(16.0, 5.0, 300, 3) {
+            fit.observe(s, 20.0);
+        }
+        assert!(close(fit.speed(20.0).tokens_per_ms, 16.0, 0.05));
+        // A noisy neighbour: a quarter of the speed from now on.
+        let slow = engine_samples(4.0, 5.0, 200, 5);
+        for s in &slow[..40] {
+            fit.observe(*s, 20.0);
+        }
+        let early = fit.speed(20.0).tokens_per_ms;
+        assert!(early < 8.0, "40 samples in, most of the way: {early}");
+        for s in &slow[40..] {
+            fit.observe(*s, 20.0);
+        }
+        assert!(close(fit.speed(20.0).tokens_per_ms, 4.0, 0.05), "{:?}", fit.speed(20.0));
+    }
+
+    #[test]
+    fn outliers_count_less() {
+        let mut fit = SpeedFit::default();
+        let samples = engine_samples(8.0, 10.0, 400, 11);
+        for (i, s) in samples.into_iter().enumerate() {
+            // One request in ten waited two seconds for a slot.
+            let ms = if i % 10 == 9 { s.ms + 2_000 } else { s.ms };
+            fit.observe(Sample { ms, ..s }, 20.0);
+        }
+        let speed = fit.speed(20.0);
+        assert!(close(speed.tokens_per_ms, 8.0, 0.15), "{speed:?}");
+        assert!(speed.overhead_ms < 120.0, "a plain mean would put 200 ms here: {speed:?}");
+    }
+
+    #[test]
+    fn one_prompt_length_does_not_tilt_far_from_the_prior() {
+        let mut fit = SpeedFit::default();
+        for _ in 0..200 {
+            fit.observe(Sample { tokens: 150, ms: 30 }, 20.0);
+        }
+        let speed = fit.speed(20.0);
+        assert!(speed.first_byte_ms(150).round() == 30.0, "it fits what it saw: {speed:?}");
+        assert!(speed.tokens_per_ms >= 20.0 / RATE_RANGE && speed.tokens_per_ms <= 20.0 * RATE_RANGE, "{speed:?}");
+    }
+
+    #[test]
+    fn fits_of_disjoint_samples_merge_into_the_fit_of_all() {
+        let samples = engine_samples(6.0, 8.0, 200, 13);
+        let (mut a, mut b) = (SpeedFit::default(), SpeedFit::default());
+        for (i, s) in samples.iter().enumerate() {
+            if i % 2 == 0 {
+                a.observe(*s, 20.0)
+            } else {
+                b.observe(*s, 20.0)
+            }
+        }
+        let merged = a.merged(&b);
+        assert!(close(merged.speed(20.0).tokens_per_ms, 6.0, 0.05), "{:?}", merged.speed(20.0));
+        assert!(close(merged.weight(), a.weight() + b.weight(), 1e-9));
+        let alone = SpeedFit::default().merged(&a);
+        assert!(close(alone.deviation, a.deviation, 1e-9) && alone.xy == a.xy);
+    }
+
+    #[test]
+    fn survives_a_round_trip_through_words_and_refuses_garbage() {
+        let mut fit = SpeedFit::default();
+        for s in engine_samples(6.0, 8.0, 50, 17) {
+            fit.observe(s, 20.0);
+        }
+        assert_eq!(SpeedFit::from_words(fit.words()), fit);
+        let mut words = fit.words();
+        words[0] = f64::NAN.to_bits();
+        assert_eq!(SpeedFit::from_words(words), SpeedFit::default());
+        words[0] = (-1.0f64).to_bits();
+        assert_eq!(SpeedFit::from_words(words), SpeedFit::default());
+    }
+}
