@@ -299,3 +299,68 @@ fn a_cold_prompt_avoids_the_engine_the_router_knows_is_still_prefilling() {
     assert_eq!(long.join().unwrap(), "A");
     assert_eq!(short.join().unwrap(), "B");
 }
+
+/// Issue 29: two engines that report only basic load, one four times slower to prefill than the
+/// other and both slower than the configured rate. The filters learn each engine's speed from the
+/// first bytes of its streamed answers and send the slow one less of the prefill; the service
+/// exports what they learned.
+#[test]
+fn the_router_learns_which_engine_prefills_slower_and_sends_it_less_prefill() {
+    let with_rate = |id: &str, tps: &str| SimSpec {
+        token_delay_ms: 1,
+        extra: vec!["--prefill-tps".into(), tps.into()],
+        ..SimSpec::plain(id)
+    };
+    let d = Deployment::start("learned_speed", vec![with_rate("F", "8000"), with_rate("S", "2000")], |sims| {
+        json!({
+            "workers": sims.iter().map(Sim::worker_json).collect::<Vec<_>>(),
+            "load": {"source": "sglang_get_load", "interval_ms": 100, "prefill_tokens_per_s": 20000},
+            "models": {"demo-model": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "cache_aware"}}}}]}}
+        })
+    });
+    d.wait_for_service(2);
+    // Every prompt new (nothing to hit): where each goes is the load side's choice alone.
+    // Of several lengths, so the time a token takes shows apart from the time any answer takes.
+    let prompt =
+        |i: usize| (0..[60, 150, 300, 450][i % 4]).map(|j| format!("r{i:04}w{j:03}")).collect::<Vec<_>>().join(" ");
+    let round = |first: usize, n: usize, clients: usize| -> HashMap<String, usize> {
+        let next = std::sync::atomic::AtomicUsize::new(first);
+        let served: Vec<String> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..clients)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, Ordering::SeqCst);
+                            if i >= first + n {
+                                return mine;
+                            }
+                            let r = d.chat(&chat_body(&prompt(i), 2, true));
+                            assert_eq!(r.status, 200, "{}", r.body);
+                            mine.push(r.engine());
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+        });
+        let mut counts = HashMap::new();
+        for e in served {
+            *counts.entry(e).or_default() += 1;
+        }
+        counts
+    };
+    // Until the first answers come back the two look alike.
+    let learning = round(0, 24, 2);
+    assert!(learning.get("S").copied().unwrap_or(0) >= 1, "the slow engine is tried while unknown: {learning:?}");
+    let learned = round(24, 48, 4);
+    let (f, s) = (learned.get("F").copied().unwrap_or(0), learned.get("S").copied().unwrap_or(0));
+    assert!(s * 3 < f, "the slow engine gets well under a quarter of the prefill: {learned:?}");
+    let rate = |w: &str| d.envoy.metric(&format!("sgl_router_prefill_tokens_per_s{{worker=\"{w}\"}}")).unwrap_or(0.0);
+    wait_for("the learned speeds exported", Duration::from_secs(5), || {
+        (rate("S") > 0.0 && rate("S") < 20_000.0).then_some(())
+    });
+    let (fast, slow) = (rate("F"), rate("S"));
+    assert!(slow * 2.5 < fast, "learned {fast} and {slow} tokens/s");
+    assert!((1_000.0..4_000.0).contains(&slow), "S prefills 2,000 tokens/s: learned {slow}");
+}
