@@ -302,10 +302,11 @@ impl CacheAwarePolicy {
         holders
     }
 
-    /// Step 5's pressure guard: holders far busier than the least busy candidate lose preference.
-    fn within_pressure_guard(&self, holder: &Holder, engines: &[Arc<Engine>], snapshot: &LoadSnapshot) -> bool {
+    /// Step 5's pressure guard: engines far busier than the least busy candidate lose preference,
+    /// as holders and as the cold engine that replaces one.
+    fn within_pressure_guard(&self, worker: &Engine, engines: &[Arc<Engine>], snapshot: &LoadSnapshot) -> bool {
         let Some(guard) = &self.config.pressure_guard else { return true };
-        let Some(load) = snapshot.get(&holder.worker.id) else { return true };
+        let Some(load) = snapshot.get(&worker.id) else { return true };
         let least =
             |f: fn(&EngineLoad) -> Option<u64>| engines.iter().filter_map(|w| snapshot.get(&w.id).and_then(f)).min();
         let over = |value: Option<u64>, floor: Option<u64>, extra: Option<u64>| match (value, floor, extra) {
@@ -428,11 +429,22 @@ impl CacheAwarePolicy {
         // The wait guard: a holder loses preference when the request would cost more there than at
         // the fallback's engine prefilling all of it, by more than the switch margin
         // (docs/architecture.md, "Design deviations").
-        let cold = self.fallback_engine(engines, &snapshot, input);
+        let guarded: Vec<Arc<Engine>>;
+        let cold_pool = if self.config.pressure_guard.is_some() {
+            guarded = engines.iter().filter(|w| self.within_pressure_guard(w, engines, &snapshot)).cloned().collect();
+            if guarded.is_empty() {
+                engines
+            } else {
+                &guarded[..]
+            }
+        } else {
+            engines
+        };
+        let cold = self.fallback_engine(cold_pool, &snapshot, input);
         let limit_ms = cold.map(|w| self.cost_ms(&snapshot, w, input) + self.margin_ms());
         usable.retain(|h| {
             let cost = || self.cost_ms(&snapshot, &h.worker, input.saturating_sub(h.matched_tokens));
-            self.within_pressure_guard(h, engines, &snapshot) && limit_ms.is_none_or(|limit| cost() <= limit)
+            self.within_pressure_guard(&h.worker, engines, &snapshot) && limit_ms.is_none_or(|limit| cost() <= limit)
         });
         if usable.is_empty() {
             return self.checked(cold, &snapshot, PickReason::PressureGuard).map(cached);
@@ -762,6 +774,24 @@ mod tests {
         assert_eq!((r.engine.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 10))]);
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B", "within the guard");
+    }
+
+    #[test]
+    fn the_pressure_guard_never_sends_the_cold_prefill_back_to_the_holder_it_moved_off() {
+        let s = State::new();
+        let mut fast = native_load(1, 12);
+        // Prefilling the whole prompt on B would look quickest: B is guarded all the same.
+        fast.prefill_tokens_per_ms = Some(1_000.0);
+        s.loads(&[("A", native_load(1, 0)), ("B", fast), ("C", native_load(1, 1))]);
+        let guard = PressureGuard { max_extra_waiting_requests: Some(10), max_extra_running_requests: None };
+        let p = policy(
+            &s,
+            Fixed::matches(&[("B", 900)]),
+            tuned(|c| c.pressure_guard = Some(guard.clone())),
+            AdmissionLimits::default(),
+        );
+        let r = pick(&p, &["A", "B", "C"], 1000).unwrap();
+        assert_eq!((r.engine.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
     }
 
     /// A report of `running` + `waiting` on an engine with `slots`, whose requests held it
