@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use super::admission::AdmissionGate;
-use super::pressure::{expected_wait_ms, prefill_rate, PREFILL_QUANTUM_TOKENS};
+use super::pressure::{expected_wait_ms, prefill_rate, Prior, PREFILL_QUANTUM_TOKENS};
 use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::config::CacheAwareConfig;
 use crate::host::{Host, HostError};
@@ -236,11 +236,12 @@ impl CacheAwarePolicy {
 
     /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds: its own
     /// wait for a first token, plus its prefill counted [`UNCACHED_WEIGHT`] times more.
-    fn cost_ms(&self, snapshot: &LoadSnapshot, w: &Engine, uncached: u64) -> f64 {
+    fn cost_ms(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> f64 {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
-        let rate = prefill_rate(load, &local, self.assumed_tokens_per_ms);
-        expected_wait_ms(load, &local, uncached, self.assumed_tokens_per_ms) + UNCACHED_WEIGHT * uncached as f64 / rate
+        let prior = prior.of(&local);
+        let rate = prefill_rate(load, &local, prior);
+        expected_wait_ms(load, &local, uncached, prior) + UNCACHED_WEIGHT * uncached as f64 / rate
     }
 
     /// The switch margin as prefill time at the assumed rate.
@@ -250,10 +251,16 @@ impl CacheAwarePolicy {
 
     /// Where a request bringing `uncached` tokens waits least: on engines of one speed the same
     /// order as by their queues alone; a slower engine is asked for less of the prefill.
-    fn key(&self, snapshot: &LoadSnapshot, w: &Engine, uncached: u64) -> (u64, u64, u64, u64, String) {
+    fn key(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> (u64, u64, u64, u64, String) {
         let local = self.gate.inflight.local_load(&w.id);
         let load = snapshot.get(&w.id);
-        load_key(w, load, local, expected_wait_ms(load, &local, uncached, self.assumed_tokens_per_ms))
+        let wait_ms = expected_wait_ms(load, &local, uncached, prior.of(&local));
+        load_key(w, load, local, wait_ms)
+    }
+
+    /// The rates assumed of engines not yet timed, for one pick.
+    fn prior(&self) -> Prior {
+        Prior::new(self.gate.inflight.as_ref(), self.assumed_tokens_per_ms)
     }
 
     fn waiting(snapshot: &LoadSnapshot, w: &Engine) -> Option<u64> {
@@ -276,6 +283,7 @@ impl CacheAwarePolicy {
         input: u64,
         compared: u64,
         snapshot: &LoadSnapshot,
+        prior: Prior,
     ) -> Vec<Holder> {
         let mut holders: Vec<Holder> = matches
             .iter()
@@ -291,7 +299,10 @@ impl CacheAwarePolicy {
             })
             .collect();
         holders.sort_by_cached_key(|h| {
-            (std::cmp::Reverse(h.matched_tokens), self.key(snapshot, &h.worker, input.saturating_sub(h.matched_tokens)))
+            (
+                std::cmp::Reverse(h.matched_tokens),
+                self.key(snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens)),
+            )
         });
         let by_ratio = self.config.candidate_ratio.map_or(0, |r| (r * engines.len() as f64).ceil() as usize);
         let mut bound = self.config.min_candidates.max(by_ratio);
@@ -320,8 +331,8 @@ impl CacheAwarePolicy {
     /// Step 5: start from the longest match; a shorter one wins only when it saves more than the
     /// switch margin of uncached work: the prompt's unmatched part, the engine's own prefill queue
     /// and its queue for a slot, all as time ([`Self::cost_ms`]).
-    fn preferred_order(&self, holders: Vec<Holder>, input: u64, snapshot: &LoadSnapshot) -> Vec<Holder> {
-        let work = |h: &Holder| self.cost_ms(snapshot, &h.worker, input.saturating_sub(h.matched_tokens));
+    fn preferred_order(&self, holders: Vec<Holder>, input: u64, snapshot: &LoadSnapshot, prior: Prior) -> Vec<Holder> {
+        let work = |h: &Holder| self.cost_ms(snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens));
         if holders.is_empty() {
             return holders;
         }
@@ -343,10 +354,11 @@ impl CacheAwarePolicy {
         &self,
         engines: &[Arc<Engine>],
         snapshot: &LoadSnapshot,
+        prior: Prior,
         input: u64,
         reason: PickReason,
     ) -> Result<Pick, PickError> {
-        self.checked(self.fallback_engine(engines, snapshot, input), snapshot, reason)
+        self.checked(self.fallback_engine(engines, snapshot, prior, input), snapshot, reason)
     }
 
     fn checked(
@@ -366,6 +378,7 @@ impl CacheAwarePolicy {
         &self,
         engines: &'e [Arc<Engine>],
         snapshot: &LoadSnapshot,
+        prior: Prior,
         input: u64,
     ) -> Option<&'e Arc<Engine>> {
         let open: Vec<&Arc<Engine>> = engines.iter().filter(|w| !self.queued(snapshot, w)).collect();
@@ -377,17 +390,24 @@ impl CacheAwarePolicy {
             let mut remaining = pool;
             (0..k).map(|_| remaining.swap_remove(self.random.below(remaining.len()))).collect()
         };
-        sampled.into_iter().min_by_key(|w| self.key(snapshot, w, input))
+        sampled.into_iter().min_by_key(|w| self.key(snapshot, prior, w, input))
     }
 
     fn choose(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
         let text = request.prompt_text.filter(|_| !self.source.exact());
         let lookup = self.source.lookup(request);
         let snapshot = self.gate.load.snapshot();
+        let prior = self.prior();
         let matches = match &lookup {
             CacheLookup::Matches(m) => m,
             CacheLookup::Unavailable(_) => {
-                return self.load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheUnavailable)
+                return self.load_fallback(
+                    engines,
+                    &snapshot,
+                    prior,
+                    request.input_tokens,
+                    PickReason::CacheUnavailable,
+                )
             }
         };
         // The chosen engine's match is what it is spared prefilling, whatever the reason it won.
@@ -400,9 +420,11 @@ impl CacheAwarePolicy {
             Some(t) => (t.len() as u64).div_ceil(self.bytes_per_token).min(input),
             None => input,
         };
-        let holders = self.usable_holders(engines, matches, input, compared, &snapshot);
+        let holders = self.usable_holders(engines, matches, input, compared, &snapshot, prior);
         if holders.is_empty() {
-            return self.load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheMiss).map(cached);
+            return self
+                .load_fallback(engines, &snapshot, prior, request.input_tokens, PickReason::CacheMiss)
+                .map(cached);
         }
         let (mut usable, reason): (Vec<Holder>, PickReason) = {
             let open: Vec<Holder> = holders.iter().filter(|h| !self.queued(&snapshot, &h.worker)).cloned().collect();
@@ -421,7 +443,7 @@ impl CacheAwarePolicy {
                     (vec![best.clone()], PickReason::SaturationPin)
                 } else {
                     return self
-                        .load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheMiss)
+                        .load_fallback(engines, &snapshot, prior, request.input_tokens, PickReason::CacheMiss)
                         .map(cached);
                 }
             }
@@ -440,17 +462,17 @@ impl CacheAwarePolicy {
         } else {
             engines
         };
-        let cold = self.fallback_engine(cold_pool, &snapshot, input);
-        let limit_ms = cold.map(|w| self.cost_ms(&snapshot, w, input) + self.margin_ms());
+        let cold = self.fallback_engine(cold_pool, &snapshot, prior, input);
+        let limit_ms = cold.map(|w| self.cost_ms(&snapshot, prior, w, input) + self.margin_ms());
         usable.retain(|h| {
-            let cost = || self.cost_ms(&snapshot, &h.worker, input.saturating_sub(h.matched_tokens));
+            let cost = || self.cost_ms(&snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens));
             self.within_pressure_guard(&h.worker, engines, &snapshot) && limit_ms.is_none_or(|limit| cost() <= limit)
         });
         if usable.is_empty() {
             return self.checked(cold, &snapshot, PickReason::PressureGuard).map(cached);
         }
         // Hard rejection of every bounded holder never turns into a cold fallback.
-        let ordered = self.preferred_order(usable, request.input_tokens, &snapshot);
+        let ordered = self.preferred_order(usable, request.input_tokens, &snapshot, prior);
         self.gate.first_admitted(ordered.iter().map(|h| &h.worker), &snapshot, reason).map(cached)
     }
 }
@@ -465,7 +487,9 @@ impl Policy for CacheAwarePolicy {
     /// the whole rest of the filter's selection.
     fn fallback(&self, engines: &[Arc<Engine>], _failed: &Engine, request: &PickRequest<'_>) -> Option<Arc<Engine>> {
         let snapshot = self.gate.load.snapshot();
-        self.load_fallback(engines, &snapshot, request.input_tokens, PickReason::CacheMiss).ok().map(|p| p.engine)
+        self.load_fallback(engines, &snapshot, self.prior(), request.input_tokens, PickReason::CacheMiss)
+            .ok()
+            .map(|p| p.engine)
     }
 }
 
@@ -876,6 +900,18 @@ mod tests {
         learned(&s, "B", 2.0, 40);
         assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "A");
         assert_eq!(pick(&p, &["A", "B"], 20).unwrap().engine.id, "B");
+    }
+
+    #[test]
+    fn an_engine_not_yet_timed_is_judged_as_slow_as_the_slowest_timed_one() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("U", native_load(0, 0))]);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        // U was sent 2,000 tokens and has not answered yet; A answers at 2 tokens/ms.
+        s.inflight.acquire("U", PrefillWork { tokens: 2_000, tokens_per_ms: 2.0, ahead: 0 });
+        learned(&s, "A", 2.0, 40);
+        // At the configured 20 tokens/ms U's queue would look 150 ms long, A's own prefill 500 ms.
+        assert_eq!(pick(&p, &["A", "U"], 1000).unwrap().engine.id, "A");
     }
 
     #[test]

@@ -4,11 +4,36 @@
 use std::cmp::Ordering;
 
 use crate::registry::Role;
-use crate::state::load_monitor::{EngineLoad, LocalLoad};
+use crate::state::load_monitor::{EngineLoad, InflightTable, LocalLoad};
 
 /// Prefill work under this many tokens takes an engine a few milliseconds: compared as none, so
 /// request counts decide between engines that are not prefilling.
 pub const PREFILL_QUANTUM_TOKENS: u64 = 256;
+
+/// The prefill rate assumed of an engine until its first bytes tell, in tokens per millisecond: the
+/// configured `load.prefill_tokens_per_s`, which a timed engine's fit leans on while young; an
+/// engine not yet timed is assumed no faster than the slowest one timed
+/// ([`InflightTable::untimed_prior`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prior {
+    pub configured: f64,
+    pub untimed: f64,
+}
+
+impl Prior {
+    pub fn new(table: &dyn InflightTable, configured: f64) -> Self {
+        Self { configured, untimed: table.untimed_prior(configured) }
+    }
+
+    /// The prior of the engine whose router-local load is `local`.
+    pub fn of(&self, local: &LocalLoad) -> f64 {
+        if local.speed.weight() > 0.0 {
+            self.configured
+        } else {
+            self.untimed
+        }
+    }
+}
 
 /// Uncached prompt tokens waiting at an engine: what it reports, else the router's own estimate
 /// of what it sent and the engine has not yet prefilled (docs/architecture.md, "Design deviations").

@@ -74,6 +74,16 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn sync_if_due(&self) {}
     /// No dispatch of this router is in flight.
     fn idle(&self) -> bool;
+    /// The slowest prefill rate learned of any engine that was timed, on `prior_tokens_per_ms`
+    /// (none timed yet: `None`).
+    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64>;
+
+    /// The prior for an engine not yet timed: as slow as the slowest one timed, never faster than
+    /// the configured `prior_tokens_per_ms`. Engines of one fleet are alike more often than not,
+    /// and one assumed too fast is sent a queue it cannot drain before its first byte can say so.
+    fn untimed_prior(&self, prior_tokens_per_ms: f64) -> f64 {
+        self.slowest_timed_rate(prior_tokens_per_ms).map_or(prior_tokens_per_ms, |r| r.min(prior_tokens_per_ms))
+    }
 
     fn inflight(&self, worker: &str) -> u64 {
         self.local_load(worker).inflight
@@ -108,6 +118,11 @@ impl PrefillQueue {
             self.tokens_per_ms = work.tokens_per_ms;
         }
     }
+}
+
+/// The slowest rate of the timed fits among `fits`.
+pub(super) fn slowest(fits: impl Iterator<Item = SpeedFit>, prior_tokens_per_ms: f64) -> Option<f64> {
+    fits.filter(|f| f.weight() > 0.0).map(|f| f.speed(prior_tokens_per_ms).tokens_per_ms).min_by(f64::total_cmp)
 }
 
 /// Holds one in-flight slot of a worker until dropped: the stage's end, however it ends.
@@ -252,12 +267,34 @@ impl InflightTable for MemoryInflight {
     fn idle(&self) -> bool {
         self.records.lock().is_ok_and(|c| c.values().all(|r| r.inflight == 0))
     }
+
+    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
+        let c = self.records.lock().ok()?;
+        slowest(c.values().map(|r| r.speed), prior_tokens_per_ms)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::test;
+
+    #[test]
+    fn an_engine_not_yet_timed_is_assumed_as_slow_as_the_slowest_timed_one() {
+        let table = MemoryInflight::default();
+        table.acquire("A", PrefillWork::NONE);
+        assert_eq!(table.untimed_prior(20.0), 20.0, "nothing timed: the configured prior");
+        for (worker, tokens_per_ms) in [("A", 10), ("B", 2), ("C", 5)] {
+            for tokens in [256, 2_048, 4_096] {
+                table.first_byte(worker, 0, Some(Sample { tokens, ms: tokens / tokens_per_ms }), 20.0);
+            }
+        }
+        let slowest = table.untimed_prior(20.0);
+        assert_eq!(Some(slowest), table.slowest_timed_rate(20.0));
+        assert_eq!(slowest, table.local_load("B").speed.speed(20.0).tokens_per_ms, "B is the slowest");
+        assert!(slowest < table.local_load("C").speed.speed(20.0).tokens_per_ms);
+        assert_eq!(table.untimed_prior(slowest / 2.0), slowest / 2.0, "never faster than the configured prior");
+    }
 
     #[test]
     fn guards_release_on_drop_and_never_go_below_zero() {

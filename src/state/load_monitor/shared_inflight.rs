@@ -19,6 +19,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::inflight::slowest;
 use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
 use super::speed::{Sample, SpeedFit};
 use crate::host::{Host, HostError};
@@ -408,6 +409,12 @@ impl InflightTable for SharedInflight {
         self.state.lock().is_ok_and(|s| s.active == 0)
     }
 
+    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
+        let state = self.state.lock().ok()?;
+        let fits = state.own.iter().zip(&state.others).map(|(own, others)| own.speed.merged(&others.speed));
+        slowest(fits, prior_tokens_per_ms)
+    }
+
     fn sync_if_due(&self) {
         let now = self.host.now_ms();
         // A VM whose last request ended publishes at once: nothing may follow to carry it.
@@ -644,6 +651,8 @@ mod tests {
         vm2.sync();
         assert!((rate(&vm2) - 5.0).abs() < 0.25, "{}", rate(&vm2));
         assert_eq!(vm2.local_load("B").speed, SpeedFit::default(), "engines apart");
+        assert!((vm2.untimed_prior(20.0) - 5.0).abs() < 0.25, "B, untimed, is assumed as slow as A");
+        assert_eq!(vm2.untimed_prior(2.0), 2.0, "never faster than the configured prior");
     }
 
     #[test]
