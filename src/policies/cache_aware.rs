@@ -885,11 +885,17 @@ mod tests {
         }
     }
 
+    /// Two idle engines, and a policy for which neither holds anything: the fallback's exact
+    /// minimum decides.
+    fn misses_between(s: &State, a: &str, b: &str) -> CacheAwarePolicy {
+        s.loads(&[(a, native_load(0, 0)), (b, native_load(0, 0))]);
+        policy(s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default())
+    }
+
     #[test]
     fn a_miss_goes_to_the_engine_that_prefills_it_sooner_by_what_the_router_learned() {
         let s = State::new();
-        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
-        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        let p = misses_between(&s, "A", "B");
         // By the prior both prefill at 20 tokens/ms; A was given more distinct content.
         s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
         s.inflight.release("A", 4_096, 5);
@@ -905,8 +911,7 @@ mod tests {
     #[test]
     fn an_engine_not_yet_timed_is_judged_as_slow_as_the_slowest_timed_one() {
         let s = State::new();
-        s.loads(&[("A", native_load(0, 0)), ("U", native_load(0, 0))]);
-        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        let p = misses_between(&s, "A", "U");
         // U was sent 2,000 tokens and has not answered yet; A answers at 2 tokens/ms.
         s.inflight.acquire("U", PrefillWork { tokens: 2_000, tokens_per_ms: 2.0, ahead: 0 });
         learned(&s, "A", 2.0, 40);
@@ -917,12 +922,11 @@ mod tests {
     #[test]
     fn engines_of_one_speed_learned_with_noise_still_spread_new_prefixes_by_content() {
         let s = State::new();
-        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
+        let p = misses_between(&s, "A", "B");
         learned(&s, "A", 8.2, 40);
         learned(&s, "B", 7.8, 40);
         s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
         s.inflight.release("A", 4_096, 5);
-        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
         assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "B", "A was given more, though a little faster");
     }
 
