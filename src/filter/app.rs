@@ -136,8 +136,9 @@ impl AppContext {
 
     /// A request (or prefill callout) bringing `prefill_tokens` uncached tokens was sent to
     /// `worker`: the breaker hears of it, and the returned guard holds its in-flight slot and its
-    /// share of the engine's pending prefill until the stage ends.
-    pub fn on_dispatch(&self, worker: &str, prefill_tokens: u64) -> InflightGuard {
+    /// share of the engine's pending prefill until the stage ends. `timed`: its first byte will
+    /// follow its first token ([`InflightGuard::acquire`]).
+    pub fn on_dispatch(&self, worker: &str, prefill_tokens: u64, timed: bool) -> InflightGuard {
         if let Some(b) = &self.breakers {
             b.on_dispatch(worker);
         }
@@ -152,7 +153,7 @@ impl AppContext {
             tokens_per_ms: prefill_rate(load, &local, lane_prior),
             ahead: pending_prefill(load, &local),
         };
-        InflightGuard::acquire(Arc::clone(&self.handles.inflight), worker, work, prior)
+        InflightGuard::acquire(Arc::clone(&self.handles.inflight), worker, work, prior, timed)
     }
 
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results

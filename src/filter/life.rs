@@ -322,7 +322,8 @@ impl RequestLife {
                         let Some(prefill) = exchange.decision().pd.as_ref().map(|pd| Arc::clone(&pd.prefill)) else {
                             return;
                         };
-                        let guard = app.on_dispatch(&prefill.id, exchange.decision().prefill_tokens);
+                        // A prefill engine answers once its prefill is done: its wait times it.
+                        let guard = app.on_dispatch(&prefill.id, exchange.decision().prefill_tokens, true);
                         exchange.dispatched(&prefill.id);
                         self.route(app, exchange, Some((token, Some(guard))), out);
                     }
@@ -594,7 +595,9 @@ impl RequestLife {
         out: &mut Actions,
     ) {
         let upstream = Arc::clone(exchange.decision().target.upstream());
-        let guard = app.on_dispatch(&upstream.id, exchange.decision().upstream_prefill_tokens());
+        let decision = exchange.decision();
+        let guard =
+            app.on_dispatch(&upstream.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill());
         exchange.dispatched(&upstream.id);
         // The indexers' routed notices: nothing waits for them; their answers are only counted.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
@@ -627,11 +630,7 @@ impl RequestLife {
             return out.push(Action::Proceed);
         }
         routed.complete = end_of_stream;
-        // A streamed answer's first chunk follows its first token, which the engine that
-        // prefilled produced; a decode engine's follows another engine's prefill.
-        let decision = routed.exchange.decision();
-        routed.timed =
-            matches!(status, Some(200..=299)) && decision.stream && matches!(decision.target, Target::Plain(_));
+        routed.timed = matches!(status, Some(200..=299)) && routed.exchange.decision().upstream_times_prefill();
         if end_of_stream {
             routed.upstream.first_byte(false);
         }
@@ -639,7 +638,9 @@ impl RequestLife {
             if let Some((engine, effects)) = upstream_host().and_then(|host| routed.exchange.retried(&host)) {
                 app.carry_out(effects);
                 // The slot moves to the engine that has the request.
-                routed.upstream = app.on_dispatch(&engine.id, routed.exchange.decision().upstream_prefill_tokens());
+                let decision = routed.exchange.decision();
+                routed.upstream =
+                    app.on_dispatch(&engine.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill());
             }
         }
         if let Some(vm) = &self.vm_header {

@@ -502,7 +502,7 @@ mod tests {
     use crate::config::{AdmissionLimits, PressureGuard};
     use crate::policies::{Limit, Rejection, SeededRandom};
     use crate::registry::Role;
-    use crate::state::load_monitor::{InflightTable, MemoryInflight, PrefillWork, Sample};
+    use crate::state::load_monitor::{InflightTable, MemoryInflight, PrefillWork, Sample, Waiting};
     use crate::testing::*;
 
     #[test]
@@ -917,6 +917,25 @@ mod tests {
         learned(&s, "A", 2.0, 40);
         // At the configured 20 tokens/ms U's queue would look 150 ms long, A's own prefill 500 ms.
         assert_eq!(pick(&p, &["A", "U"], 1000).unwrap().engine.id, "A");
+    }
+
+    #[test]
+    fn a_holder_that_leaves_its_prompts_unanswered_long_past_their_time_loses_the_hit() {
+        let s = State::new();
+        s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 0))]);
+        let p = policy(&s, Fixed::matches(&[("A", 900)]), tuned(|_| {}), AdmissionLimits::default());
+        // A was sent a 2,000-token prompt at 0 whose first token is still to come; by the prior
+        // it takes 100 ms.
+        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 });
+        s.inflight.awaiting("A", Waiting { since_ms: 0, tokens: 2_000 });
+        s.inflight.set_now(100);
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A", "on time: the hit stays");
+        // Three seconds on it has not answered: what A shows of itself outweighs the 900 tokens.
+        s.inflight.set_now(3_050);
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B");
+        s.inflight.answered("A", Waiting { since_ms: 0, tokens: 2_000 });
+        s.inflight.release("A", 0, 3_050);
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A", "answered: back to its holder");
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub fn pending_prefill(load: Option<&EngineLoad>, local: &LocalLoad) -> u64 {
 pub fn prefill_rate(load: Option<&EngineLoad>, local: &LocalLoad, prior_tokens_per_ms: f64) -> f64 {
     load.and_then(|l| l.prefill_tokens_per_ms)
         .filter(|r| *r > 0.0)
-        .unwrap_or_else(|| local.speed.speed(prior_tokens_per_ms).tokens_per_ms)
+        .unwrap_or_else(|| local.speed_now(prior_tokens_per_ms).tokens_per_ms)
         .max(f64::MIN_POSITIVE)
 }
 
@@ -57,7 +57,7 @@ pub fn prefill_rate(load: Option<&EngineLoad>, local: &LocalLoad, prior_tokens_p
 /// at the engine's prefill rate ([`prefill_rate`]), and the engine's learned time to a first byte
 /// with nothing to prefill. Unknown parts count as none.
 pub fn expected_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad, uncached: u64, prior_tokens_per_ms: f64) -> f64 {
-    let overhead = local.speed.speed(prior_tokens_per_ms).overhead_ms;
+    let overhead = local.speed_now(prior_tokens_per_ms).overhead_ms;
     let prefill = overhead
         + pending_prefill(load, local).saturating_add(uncached) as f64 / prefill_rate(load, local, prior_tokens_per_ms);
     let slot = match (load, local.hold_ms) {

@@ -100,6 +100,13 @@ impl Decision {
         }
     }
 
+    /// The upstream's first byte (when it answers 2xx) follows the first token of the engine that
+    /// prefilled: a streamed answer of a plain engine. A decode engine's follows another engine's
+    /// prefill; a whole answer's follows its decode too.
+    pub fn upstream_times_prefill(&self) -> bool {
+        self.stream && matches!(self.target, Target::Plain(_))
+    }
+
     /// The headers the filter adds to the response (spec §3).
     pub fn response_headers(&self) -> impl Iterator<Item = (&'static str, String)> + '_ {
         let prefill = match &self.target {

@@ -8,7 +8,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::speed::{Sample, SpeedFit};
+use super::speed::{Sample, Speed, SpeedFit};
+use super::unanswered::{Unanswered, Waited, Waiting};
 
 /// Prefill work one dispatch hands an engine: its uncached prompt tokens, the rate at which the
 /// engine's prefill drains them, and the uncached tokens queued ahead of them there.
@@ -39,6 +40,16 @@ pub struct LocalLoad {
     pub hold_ms: Option<f64>,
     /// The engine's prefill speed as its first bytes showed it.
     pub speed: SpeedFit,
+    /// The longest-waiting dispatch whose first byte will time the engine and has not come yet.
+    pub unanswered: Option<Waited>,
+}
+
+impl LocalLoad {
+    /// The engine's speed as its first bytes showed it, slowed to what its longest-waiting
+    /// unanswered dispatch shows (`unanswered.rs`).
+    pub fn speed_now(&self, prior_tokens_per_ms: f64) -> Speed {
+        self.speed.speed_while(self.unanswered, prior_tokens_per_ms)
+    }
 }
 
 /// Weight of the newest request in the moving average of hold times.
@@ -56,6 +67,10 @@ pub(super) fn averaged(old_ms: f64, held_ms: u64) -> f64 {
 pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn local_load(&self, worker: &str) -> LocalLoad;
     fn acquire(&self, worker: &str, work: PrefillWork);
+    /// A dispatch whose first byte will time the engine waits for it ([`Self::answered`] ends the
+    /// wait, answered or not).
+    fn awaiting(&self, worker: &str, waiting: Waiting);
+    fn answered(&self, worker: &str, waiting: Waiting);
     /// A dispatch that brought `prefill_tokens` got its first byte back: its prefill is done, and
     /// `sample` (when its first byte followed its first token) teaches the engine's speed, on
     /// `prior_tokens_per_ms` while little is known.
@@ -105,14 +120,16 @@ pub(super) struct PrefillQueue {
 }
 
 impl PrefillQueue {
-    pub(super) fn at(&self, now_ms: u64, outstanding: u64) -> u64 {
-        let drained = now_ms.saturating_sub(self.at_ms) as f64 * self.tokens_per_ms.max(0.0);
+    /// What is left at `now_ms` had the lane drained at `tokens_per_ms` since its last dispatch.
+    pub(super) fn at(&self, now_ms: u64, outstanding: u64, tokens_per_ms: f64) -> u64 {
+        let drained = now_ms.saturating_sub(self.at_ms) as f64 * tokens_per_ms.max(0.0);
         let left = (self.tokens as f64 - drained).max(0.0) as u64;
         left.min(outstanding)
     }
 
-    fn add(&mut self, now_ms: u64, outstanding: u64, work: PrefillWork) {
-        self.tokens = self.at(now_ms, outstanding).saturating_add(work.tokens);
+    /// Adds `work` to the `left` tokens the lane holds at `now_ms`.
+    fn add(&mut self, now_ms: u64, left: u64, work: PrefillWork) {
+        self.tokens = left.saturating_add(work.tokens);
         self.at_ms = now_ms.max(self.at_ms);
         if work.tokens_per_ms > 0.0 {
             self.tokens_per_ms = work.tokens_per_ms;
@@ -136,13 +153,33 @@ pub struct InflightGuard {
     started_ms: u64,
     /// The first byte came back: the prefill is no longer outstanding.
     prefilled: bool,
+    /// The dispatch waits for a first byte that will time the engine (`None`: it will not).
+    waiting: Option<Waiting>,
 }
 
 impl InflightGuard {
-    pub fn acquire(table: Arc<dyn InflightTable>, worker: &str, work: PrefillWork, prior_tokens_per_ms: f64) -> Self {
+    /// `timed`: the dispatch's first byte will follow its first token (a streamed answer of the
+    /// engine that prefills, or a prefill callout), so while it waits it bounds the engine's speed.
+    pub fn acquire(
+        table: Arc<dyn InflightTable>,
+        worker: &str,
+        work: PrefillWork,
+        prior_tokens_per_ms: f64,
+        timed: bool,
+    ) -> Self {
         table.acquire(worker, work);
         let started_ms = table.now_ms();
-        Self { table, worker: worker.to_string(), work, prior_tokens_per_ms, started_ms, prefilled: false }
+        let waiting = timed.then(|| Waiting { since_ms: started_ms, tokens: work.ahead.saturating_add(work.tokens) });
+        if let Some(w) = waiting {
+            table.awaiting(worker, w);
+        }
+        Self { table, worker: worker.to_string(), work, prior_tokens_per_ms, started_ms, prefilled: false, waiting }
+    }
+
+    fn stop_waiting(&mut self) {
+        if let Some(w) = self.waiting.take() {
+            self.table.answered(&self.worker, w);
+        }
     }
 
     /// The engine's first byte: its prefill of this request is done. `timed`: the byte followed
@@ -152,6 +189,7 @@ impl InflightGuard {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
+        self.stop_waiting();
         let sample = timed.then(|| Sample {
             tokens: self.work.ahead.saturating_add(self.work.tokens),
             ms: self.table.now_ms().saturating_sub(self.started_ms),
@@ -162,6 +200,7 @@ impl InflightGuard {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
+        self.stop_waiting();
         let held_ms = self.table.now_ms().saturating_sub(self.started_ms);
         let outstanding = if self.prefilled { 0 } else { self.work.tokens };
         self.table.release(&self.worker, outstanding, held_ms);
@@ -171,14 +210,14 @@ impl Drop for InflightGuard {
 /// In-memory records for tests, on a clock the test sets.
 #[derive(Debug, Default)]
 pub struct MemoryInflight {
-    records: Mutex<HashMap<String, Record>>,
+    records: Mutex<HashMap<String, (Record, Unanswered)>>,
     now_ms: AtomicU64,
 }
 
 impl MemoryInflight {
     pub fn set(&self, worker: &str, inflight: u64) {
         if let Ok(mut c) = self.records.lock() {
-            c.entry(worker.to_string()).or_default().inflight = inflight;
+            c.entry(worker.to_string()).or_default().0.inflight = inflight;
         }
     }
 
@@ -198,15 +237,18 @@ pub(super) struct Record {
     pub(super) queue: PrefillQueue,
     pub(super) hold_ms: f64,
     pub(super) speed: SpeedFit,
+    /// The oldest of the VM's dispatches still waiting for a timing first byte.
+    pub(super) waiting: Option<Waiting>,
 }
 
 impl Record {
     pub(super) fn acquire(&mut self, now_ms: u64, work: PrefillWork) {
+        let left = self.pending_at(now_ms);
         self.inflight = self.inflight.saturating_add(1);
         self.total = self.total.saturating_add(1);
         self.prefilled = self.prefilled.saturating_add(work.tokens);
         self.outstanding_tokens = self.outstanding_tokens.saturating_add(work.tokens);
-        self.queue.add(now_ms, self.outstanding_tokens, work);
+        self.queue.add(now_ms, left, work);
     }
 
     pub(super) fn first_byte(&mut self, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
@@ -222,14 +264,30 @@ impl Record {
         self.hold_ms = averaged(self.hold_ms, held_ms);
     }
 
+    /// The prefill lane's tokens left at `now_ms`. When the oldest unanswered dispatch is late
+    /// (`Late` in `speed.rs`) the lane drains no faster than it shows the engine can go, and holds
+    /// at least what that dispatch is expected still to need.
+    pub(super) fn pending_at(&self, now_ms: u64) -> u64 {
+        let lane = self.queue.tokens_per_ms;
+        let late = self.waiting.and_then(|w| self.speed.late(self.speed.speed(lane), w.at(now_ms)));
+        match late {
+            None => self.queue.at(now_ms, self.outstanding_tokens, lane),
+            Some(late) => self
+                .queue
+                .at(now_ms, self.outstanding_tokens, late.tokens_per_ms.min(lane))
+                .max(late.remaining_tokens.min(self.outstanding_tokens)),
+        }
+    }
+
     pub(super) fn local_load(&self, now_ms: u64) -> LocalLoad {
         LocalLoad {
             inflight: self.inflight,
             dispatched_total: self.total,
-            pending_prefill_tokens: self.queue.at(now_ms, self.outstanding_tokens),
+            pending_prefill_tokens: self.pending_at(now_ms),
             prefilled_total: self.prefilled,
             hold_ms: (self.hold_ms > 0.0).then_some(self.hold_ms),
             speed: self.speed,
+            unanswered: self.waiting.map(|w| w.at(now_ms)),
         }
     }
 }
@@ -237,26 +295,42 @@ impl Record {
 impl InflightTable for MemoryInflight {
     fn local_load(&self, worker: &str) -> LocalLoad {
         let now = self.now_ms.load(Ordering::SeqCst);
-        let r = self.records.lock().ok().and_then(|c| c.get(worker).copied()).unwrap_or_default();
+        let r = self.records.lock().ok().and_then(|c| c.get(worker).map(|(r, _)| *r)).unwrap_or_default();
         r.local_load(now)
     }
 
     fn acquire(&self, worker: &str, work: PrefillWork) {
         let now = self.now_ms.load(Ordering::SeqCst);
         if let Ok(mut c) = self.records.lock() {
-            c.entry(worker.to_string()).or_default().acquire(now, work);
+            c.entry(worker.to_string()).or_default().0.acquire(now, work);
+        }
+    }
+
+    fn awaiting(&self, worker: &str, waiting: Waiting) {
+        if let Ok(mut c) = self.records.lock() {
+            let (r, u) = c.entry(worker.to_string()).or_default();
+            u.add(waiting);
+            r.waiting = u.oldest();
+        }
+    }
+
+    fn answered(&self, worker: &str, waiting: Waiting) {
+        if let Ok(mut c) = self.records.lock() {
+            let (r, u) = c.entry(worker.to_string()).or_default();
+            u.answered(waiting);
+            r.waiting = u.oldest();
         }
     }
 
     fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
         if let Ok(mut c) = self.records.lock() {
-            c.entry(worker.to_string()).or_default().first_byte(prefill_tokens, sample, prior_tokens_per_ms);
+            c.entry(worker.to_string()).or_default().0.first_byte(prefill_tokens, sample, prior_tokens_per_ms);
         }
     }
 
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
         if let Ok(mut c) = self.records.lock() {
-            c.entry(worker.to_string()).or_default().release(prefill_tokens, held_ms);
+            c.entry(worker.to_string()).or_default().0.release(prefill_tokens, held_ms);
         }
     }
 
@@ -265,12 +339,12 @@ impl InflightTable for MemoryInflight {
     }
 
     fn idle(&self) -> bool {
-        self.records.lock().is_ok_and(|c| c.values().all(|r| r.inflight == 0))
+        self.records.lock().is_ok_and(|c| c.values().all(|(r, _)| r.inflight == 0))
     }
 
     fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
         let c = self.records.lock().ok()?;
-        slowest(c.values().map(|r| r.speed), prior_tokens_per_ms)
+        slowest(c.values().map(|(r, _)| r.speed), prior_tokens_per_ms)
     }
 }
 
@@ -299,8 +373,8 @@ mod tests {
     #[test]
     fn guards_release_on_drop_and_never_go_below_zero() {
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
-        let a = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0);
-        let _b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0);
+        let a = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0, false);
+        let _b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0, false);
         assert_eq!(table.inflight("A"), 2);
         drop(a);
         assert_eq!(table.inflight("A"), 1);
@@ -340,8 +414,8 @@ mod tests {
         // A rate far below the engine's: the estimate would linger, but the requests finished.
         let slow = PrefillWork { tokens: 1_000, tokens_per_ms: 0.001, ahead: 0 };
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
-        let a = InflightGuard::acquire(Arc::clone(&table), "A", slow, 20.0);
-        let b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 300, ..slow }, 20.0);
+        let a = InflightGuard::acquire(Arc::clone(&table), "A", slow, 20.0, false);
+        let b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 300, ..slow }, 20.0, false);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 1_300);
         drop(a);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 300);
@@ -350,11 +424,62 @@ mod tests {
     }
 
     #[test]
+    fn a_dispatch_left_unanswered_past_its_time_slows_the_engine_until_it_is_answered() {
+        let inner = Arc::new(MemoryInflight::default());
+        let table: Arc<dyn InflightTable> = inner.clone();
+        // Two cold prompts sent at once; by the prior the engine prefills them within 150 ms.
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 };
+        let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, true);
+        let b = InflightGuard::acquire(
+            Arc::clone(&table),
+            "A",
+            PrefillWork { tokens: 1_000, ahead: 2_000, ..work },
+            20.0,
+            true,
+        );
+        inner.set_now(140);
+        let on_time = table.local_load("A");
+        assert_eq!(on_time.speed_now(20.0).tokens_per_ms, 20.0, "not late yet: the prior");
+        assert_eq!(on_time.pending_prefill_tokens, 200);
+        // A second later neither has answered: in the 1,000 ms beyond its allowance (the 50 ms
+        // a first token takes at least) the engine prefilled less than the first one's 2,000.
+        inner.set_now(1_050);
+        let late = table.local_load("A");
+        assert_eq!(late.speed_now(20.0).tokens_per_ms, 2.0);
+        // The lane drained at 2 tokens/ms leaves 900 of the 3,000 sent; the first one, 900 ms
+        // late, is as likely as not to be 900 ms later still: 1,800 tokens at that rate.
+        assert_eq!(late.pending_prefill_tokens, 1_800, "the lane holds what the engine showed, not the prior");
+        assert_eq!(late.speed.weight(), 0.0, "no sample is taken until an answer comes");
+        // The first one answers: the second waits on, and what the answer taught keeps the engine
+        // slow (one sample: as a fixed time to a first byte, until more samples tell the rate).
+        a.first_byte(true);
+        let next = table.local_load("A");
+        assert_eq!(next.unanswered, Some(Waited { ms: 1_050, tokens: 3_000 }));
+        assert!(next.speed_now(20.0).first_byte_ms(3_000) > 1_050.0, "{:?}", next.speed_now(20.0));
+        drop(b);
+        drop(a);
+        let done = table.local_load("A");
+        assert_eq!(done.unanswered, None, "a dispatch that ends unanswered stops waiting too");
+        assert_eq!(done.speed_now(20.0), done.speed.speed(20.0));
+    }
+
+    #[test]
+    fn a_dispatch_whose_first_byte_will_not_time_the_engine_never_slows_it() {
+        let inner = Arc::new(MemoryInflight::default());
+        let table: Arc<dyn InflightTable> = inner.clone();
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 };
+        let _whole = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, false);
+        inner.set_now(10_000);
+        let load = table.local_load("A");
+        assert_eq!((load.unanswered, load.speed_now(20.0).tokens_per_ms), (None, 20.0));
+    }
+
+    #[test]
     fn a_first_byte_ends_the_prefill_and_a_timed_one_teaches_the_speed() {
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
         let work = PrefillWork { tokens: 800, tokens_per_ms: 0.001, ahead: 400 };
-        let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0);
-        let mut b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 100, ..work }, 20.0);
+        let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, false);
+        let mut b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 100, ..work }, 20.0, false);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 900);
         a.first_byte(false);
         a.first_byte(true);

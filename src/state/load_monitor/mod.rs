@@ -9,11 +9,13 @@ mod shared_inflight;
 mod shared_view;
 mod speed;
 mod table;
+mod unanswered;
 
 pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork};
 pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};
 pub use shared_inflight::{SharedInflight, SYNC_MS};
 pub use shared_view::SharedLoadView;
-pub use speed::{Sample, Speed, SpeedFit};
+pub use speed::{Late, Sample, Speed, SpeedFit};
 pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};
+pub use unanswered::{Waited, Waiting, MAX_TRACKED as MAX_TRACKED_UNANSWERED};

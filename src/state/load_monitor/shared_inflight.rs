@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use super::inflight::slowest;
 use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
 use super::speed::{Sample, SpeedFit};
+use super::unanswered::{Unanswered, Waiting};
 use crate::host::{Host, HostError};
 use crate::state::schedule::Period;
 use crate::state::shared::decode_u64;
@@ -31,10 +32,10 @@ use crate::state::{keys, vm_registry};
 pub const SYNC_MS: u64 = 5;
 
 /// Leads each VM's key: an empty value would read back as absent.
-const SHARE_HEADER: [u8; 8] = *b"sglinf04";
+const SHARE_HEADER: [u8; 8] = *b"sglinf05";
 /// Leads the dead VMs' folded totals, which only the service writes.
 const RETIRED_HEADER: [u8; 8] = *b"sglret04";
-const RECORD_WORDS: usize = 14;
+const RECORD_WORDS: usize = 16;
 const RETIRED_WORDS: usize = 8;
 
 /// A dead VM's speed samples count this much less each time another VM dies: a line of restarts
@@ -100,6 +101,7 @@ fn decode_rows<const W: usize>(
 fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
     let q = &r.queue;
     let [a, b, c, d, e, f] = r.speed.words();
+    let [since, waited] = Waiting::words(r.waiting);
     [
         r.inflight,
         r.total,
@@ -115,6 +117,8 @@ fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
         d,
         e,
         f,
+        since,
+        waited,
     ]
 }
 
@@ -133,7 +137,8 @@ fn row_record(w: [u64; RECORD_WORDS]) -> Record {
         prefilled: w[3],
         queue: PrefillQueue { tokens: w[4], at_ms: w[5], tokens_per_ms: f64::from_bits(w[6]) },
         hold_ms: f64::from_bits(w[7]),
-        speed: speed_words(&w[8..]),
+        speed: speed_words(&w[8..14]),
+        waiting: Waiting::from_words([w[14], w[15]]),
     }
 }
 
@@ -184,11 +189,11 @@ fn merged_hold(a: &Record, b: &Record) -> f64 {
 }
 
 /// Adds `other` (one VM's records, evaluated at `now_ms`) into `sum`: counts add, prefill lanes
-/// add what is left of each, the hold time is the weighted mean, speed samples add up.
+/// add what is left of each, the hold time is the weighted mean, speed samples add up, the
+/// longer-waiting unanswered dispatch is kept.
 fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
     let hold_ms = merged_hold(sum, other);
-    let left =
-        sum.queue.at(now_ms, sum.outstanding_tokens).saturating_add(other.queue.at(now_ms, other.outstanding_tokens));
+    let left = sum.pending_at(now_ms).saturating_add(other.pending_at(now_ms));
     sum.inflight = sum.inflight.saturating_add(other.inflight);
     sum.total = sum.total.saturating_add(other.total);
     sum.outstanding_tokens = sum.outstanding_tokens.saturating_add(other.outstanding_tokens);
@@ -200,12 +205,15 @@ fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
     };
     sum.hold_ms = hold_ms;
     sum.speed = sum.speed.merged(&other.speed);
+    sum.waiting = Waiting::older(sum.waiting, other.waiting);
 }
 
 #[derive(Debug)]
 struct Synced {
     /// This VM's dispatches, exact.
     own: Vec<Record>,
+    /// This VM's dispatches waiting for a timing first byte, per worker.
+    unanswered: Vec<Unanswered>,
     /// Every other live VM's and the dead VMs' retired totals, as of the last read.
     others: Vec<Record>,
     /// `own` changed since it was last published.
@@ -242,6 +250,7 @@ impl SharedInflight {
         let n = index.len();
         let state = Synced {
             own: vec![Record::default(); n],
+            unanswered: vec![Unanswered::default(); n],
             others: vec![Record::default(); n],
             dirty: false,
             active: 0,
@@ -352,6 +361,21 @@ impl SharedInflight {
         }
     }
 
+    fn with_unanswered(&self, worker: &str, f: impl FnOnce(&mut Unanswered)) {
+        let Some(&i) = self.index.get(worker) else { return };
+        if let Ok(mut state) = self.state.lock() {
+            let Synced { own, unanswered, dirty, .. } = &mut *state;
+            if let (Some(r), Some(u)) = (own.get_mut(i), unanswered.get_mut(i)) {
+                f(u);
+                let oldest = u.oldest();
+                if r.waiting != oldest {
+                    r.waiting = oldest;
+                    *dirty = true;
+                }
+            }
+        }
+    }
+
     fn with_own(&self, worker: &str, f: impl FnOnce(&mut Record)) {
         let Some(&i) = self.index.get(worker) else {
             log::warn!("in-flight count of unknown worker {worker} not kept");
@@ -391,6 +415,14 @@ impl InflightTable for SharedInflight {
     fn acquire(&self, worker: &str, work: PrefillWork) {
         let now = self.host.now_ms();
         self.with_own(worker, |r| r.acquire(now, work));
+    }
+
+    fn awaiting(&self, worker: &str, waiting: Waiting) {
+        self.with_unanswered(worker, |u| u.add(waiting));
+    }
+
+    fn answered(&self, worker: &str, waiting: Waiting) {
+        self.with_unanswered(worker, |u| u.answered(waiting));
     }
 
     fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
@@ -653,6 +685,28 @@ mod tests {
         assert_eq!(vm2.local_load("B").speed, SpeedFit::default(), "engines apart");
         assert!((vm2.untimed_prior(20.0) - 5.0).abs() < 0.25, "B, untimed, is assumed as slow as A");
         assert_eq!(vm2.untimed_prior(2.0), 2.0, "never faster than the configured prior");
+    }
+
+    #[test]
+    fn a_dispatch_one_vm_still_waits_on_slows_the_engine_for_every_vm() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 };
+        let sent = Waiting { since_ms: host.now_ms(), tokens: 2_000 };
+        vm1.acquire("A", work);
+        vm1.awaiting("A", sent);
+        vm1.awaiting("A", Waiting { since_ms: sent.since_ms + 10, tokens: 2_500 });
+        host.set_now_ms(sent.since_ms + 1_050);
+        vm1.sync();
+        vm2.sync();
+        let seen = vm2.local_load("A");
+        assert_eq!(seen.unanswered, Some(sent.at(host.now_ms())), "the oldest is published");
+        assert_eq!(seen.speed_now(20.0).tokens_per_ms, 2.0);
+        assert_eq!(vm2.local_load("B").unanswered, None);
+        vm1.answered("A", sent);
+        vm1.sync();
+        vm2.sync();
+        assert_eq!(vm2.local_load("A").unanswered.map(|w| w.tokens), Some(2_500), "the next oldest");
     }
 
     #[test]

@@ -10,6 +10,8 @@
 //! line that real samples outweigh within a few requests, and that keep a fit from the same few
 //! prompt lengths from tilting far.
 
+use super::unanswered::Waited;
+
 /// The weight a VM's newest sample takes from its older ones: about the last 32 samples count.
 const FORGET: f64 = 1.0 / 32.0;
 
@@ -32,6 +34,15 @@ const RATE_RANGE: f64 = 16.0;
 
 /// The intercept is at most this many milliseconds.
 const MAX_OVERHEAD_MS: f64 = 10_000.0;
+
+/// A first byte is late only past this many milliseconds beyond the fit's line, however young the
+/// fit: a first token takes at least a scheduler step and the network, which a fit with no
+/// samples does not know.
+const MIN_LATE_MS: f64 = 50.0;
+
+/// An unanswered dispatch counts at least this many tokens: one bringing fewer still waits a
+/// scheduler turn, which says nothing of the prefill rate.
+const MIN_WAITED_TOKENS: u64 = 256;
 
 /// One observation: `tokens` to prefill before the request's own first token (queued ahead of it
 /// and its own uncached ones), and the milliseconds until its first byte.
@@ -58,6 +69,17 @@ impl Speed {
     pub fn first_byte_ms(&self, tokens: u64) -> f64 {
         self.overhead_ms + tokens as f64 / self.tokens_per_ms
     }
+}
+
+/// A late dispatch's evidence. In the time it had beyond its allowance the engine prefilled less
+/// than its tokens (those queued ahead of it and its own): `tokens_per_ms` is the fastest the
+/// engine can be. How much longer it takes is unknown; without more to go on, a wait that has
+/// overrun by some time is as likely as not to overrun by as much again, so `remaining_tokens`
+/// is what that much more time at that rate prefills.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Late {
+    pub tokens_per_ms: f64,
+    pub remaining_tokens: u64,
 }
 
 /// The weighted sums of a least-squares fit of milliseconds on tokens, and the mean absolute
@@ -97,6 +119,28 @@ impl SpeedFit {
             Speed { tokens_per_ms: 1.0 / slope, overhead_ms: overhead }
         } else {
             prior
+        }
+    }
+
+    /// What a dispatch still unanswered after `waited` shows, once it is later than the line
+    /// allows by more than the fit's spread ([`HUBER`] mean deviations, at least [`MIN_LATE_MS`]):
+    /// `None` while it is not late.
+    pub fn late(&self, speed: Speed, waited: Waited) -> Option<Late> {
+        let tokens = waited.tokens.max(MIN_WAITED_TOKENS) as f64;
+        let beyond_ms = waited.ms as f64 - speed.overhead_ms - (HUBER * self.deviation).max(MIN_LATE_MS);
+        let late_by_ms = beyond_ms - tokens / speed.tokens_per_ms;
+        (late_by_ms > 0.0).then(|| {
+            let tokens_per_ms = (tokens / beyond_ms).max(f64::MIN_POSITIVE);
+            Late { tokens_per_ms, remaining_tokens: (tokens_per_ms * late_by_ms) as u64 }
+        })
+    }
+
+    /// The fit's speed, slowed to what an unanswered dispatch shows ([`Self::late`]).
+    pub fn speed_while(&self, waited: Option<Waited>, prior_tokens_per_ms: f64) -> Speed {
+        let speed = self.speed(prior_tokens_per_ms);
+        match waited.and_then(|w| self.late(speed, w)) {
+            Some(late) => Speed { tokens_per_ms: late.tokens_per_ms, ..speed },
+            None => speed,
         }
     }
 
@@ -192,6 +236,29 @@ mod tests {
 
     fn close(a: f64, b: f64, within: f64) -> bool {
         (a - b).abs() <= within * b
+    }
+
+    #[test]
+    fn an_unanswered_dispatch_says_nothing_until_it_is_late_beyond_the_fits_spread() {
+        let fit = SpeedFit::default();
+        let prior = fit.speed(20.0);
+        // 2,000 tokens at 20/ms: 100 ms, and 50 ms a first token always may take.
+        assert_eq!(fit.late(prior, Waited { ms: 150, tokens: 2_000 }), None);
+        let late = fit.late(prior, Waited { ms: 450, tokens: 2_000 }).unwrap();
+        assert_eq!(late, Late { tokens_per_ms: 5.0, remaining_tokens: 1_500 }, "300 ms late: 300 more at 5/ms");
+        assert_eq!(fit.speed_while(Some(Waited { ms: 450, tokens: 2_000 }), 20.0).tokens_per_ms, 5.0);
+        // A fit that has seen first bytes scatter allows them as much.
+        let mut noisy = SpeedFit::default();
+        for (i, s) in engine_samples(20.0, 10.0, 64, 3).into_iter().enumerate() {
+            noisy.observe(Sample { ms: s.ms + (i as u64 % 2) * 200, ..s }, 20.0);
+        }
+        let speed = noisy.speed(20.0);
+        let allowed = speed.first_byte_ms(2_000) + 3.0 * noisy.deviation;
+        assert!(noisy.late(speed, Waited { ms: allowed as u64 - 1, tokens: 2_000 }).is_none(), "{noisy:?}");
+        assert!(noisy.late(speed, Waited { ms: allowed as u64 + 50, tokens: 2_000 }).is_some());
+        // A dispatch with nothing to prefill counts a scheduler turn's worth, not a rate of zero.
+        let short = fit.late(prior, Waited { ms: 1_050, tokens: 0 }).unwrap();
+        assert!((short.tokens_per_ms - 0.256).abs() < 1e-9, "{short:?}");
     }
 
     #[test]
