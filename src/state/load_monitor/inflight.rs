@@ -153,8 +153,8 @@ pub struct InflightGuard {
     started_ms: u64,
     /// The first byte came back: the prefill is no longer outstanding.
     prefilled: bool,
-    /// The dispatch waits for a first byte that will time the engine (`None`: it will not).
-    waiting: Option<Waiting>,
+    /// The dispatch waits for a first byte that will time the engine.
+    awaiting: bool,
 }
 
 impl InflightGuard {
@@ -169,16 +169,29 @@ impl InflightGuard {
     ) -> Self {
         table.acquire(worker, work);
         let started_ms = table.now_ms();
-        let waiting = timed.then(|| Waiting { since_ms: started_ms, tokens: work.ahead.saturating_add(work.tokens) });
-        if let Some(w) = waiting {
-            table.awaiting(worker, w);
+        let guard = Self {
+            table,
+            worker: worker.to_string(),
+            work,
+            prior_tokens_per_ms,
+            started_ms,
+            prefilled: false,
+            awaiting: timed,
+        };
+        if timed {
+            guard.table.awaiting(worker, guard.waiting());
         }
-        Self { table, worker: worker.to_string(), work, prior_tokens_per_ms, started_ms, prefilled: false, waiting }
+        guard
+    }
+
+    /// The dispatch as it waits: since it was sent, with the tokens to prefill before its first.
+    fn waiting(&self) -> Waiting {
+        Waiting { since_ms: self.started_ms, tokens: self.work.ahead.saturating_add(self.work.tokens) }
     }
 
     fn stop_waiting(&mut self) {
-        if let Some(w) = self.waiting.take() {
-            self.table.answered(&self.worker, w);
+        if std::mem::take(&mut self.awaiting) {
+            self.table.answered(&self.worker, self.waiting());
         }
     }
 
@@ -190,10 +203,8 @@ impl InflightGuard {
             return;
         }
         self.stop_waiting();
-        let sample = timed.then(|| Sample {
-            tokens: self.work.ahead.saturating_add(self.work.tokens),
-            ms: self.table.now_ms().saturating_sub(self.started_ms),
-        });
+        let sample = timed
+            .then(|| Sample { tokens: self.waiting().tokens, ms: self.table.now_ms().saturating_sub(self.started_ms) });
         self.table.first_byte(&self.worker, self.work.tokens, sample, self.prior_tokens_per_ms);
     }
 }
@@ -264,6 +275,13 @@ impl Record {
         self.hold_ms = averaged(self.hold_ms, held_ms);
     }
 
+    /// Applies `change` to the VM's unanswered dispatches to this engine, keeping the oldest
+    /// published.
+    pub(super) fn track(&mut self, unanswered: &mut Unanswered, change: impl FnOnce(&mut Unanswered)) {
+        change(unanswered);
+        self.waiting = unanswered.oldest();
+    }
+
     /// The prefill lane's tokens left at `now_ms`. When the oldest unanswered dispatch is late
     /// (`Late` in `speed.rs`) the lane drains no faster than it shows the engine can go, and holds
     /// at least what that dispatch is expected still to need.
@@ -309,16 +327,14 @@ impl InflightTable for MemoryInflight {
     fn awaiting(&self, worker: &str, waiting: Waiting) {
         if let Ok(mut c) = self.records.lock() {
             let (r, u) = c.entry(worker.to_string()).or_default();
-            u.add(waiting);
-            r.waiting = u.oldest();
+            r.track(u, |u| u.add(waiting));
         }
     }
 
     fn answered(&self, worker: &str, waiting: Waiting) {
         if let Ok(mut c) = self.records.lock() {
             let (r, u) = c.entry(worker.to_string()).or_default();
-            u.answered(waiting);
-            r.waiting = u.oldest();
+            r.track(u, |u| u.answered(waiting));
         }
     }
 

@@ -18,4 +18,4 @@ pub use shared_inflight::{SharedInflight, SYNC_MS};
 pub use shared_view::SharedLoadView;
 pub use speed::{Late, Sample, Speed, SpeedFit};
 pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};
-pub use unanswered::{Waited, Waiting, MAX_TRACKED as MAX_TRACKED_UNANSWERED};
+pub use unanswered::{Waited, Waiting};

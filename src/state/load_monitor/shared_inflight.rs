@@ -361,33 +361,19 @@ impl SharedInflight {
         }
     }
 
-    fn with_unanswered(&self, worker: &str, f: impl FnOnce(&mut Unanswered)) {
-        let Some(&i) = self.index.get(worker) else { return };
-        if let Ok(mut state) = self.state.lock() {
-            let Synced { own, unanswered, dirty, .. } = &mut *state;
-            if let (Some(r), Some(u)) = (own.get_mut(i), unanswered.get_mut(i)) {
-                f(u);
-                let oldest = u.oldest();
-                if r.waiting != oldest {
-                    r.waiting = oldest;
-                    *dirty = true;
-                }
-            }
-        }
-    }
-
-    fn with_own(&self, worker: &str, f: impl FnOnce(&mut Record)) {
+    /// Changes this VM's record of `worker` (and its unanswered dispatches there), to be published.
+    fn with_own(&self, worker: &str, f: impl FnOnce(&mut Record, &mut Unanswered)) {
         let Some(&i) = self.index.get(worker) else {
             log::warn!("in-flight count of unknown worker {worker} not kept");
             return;
         };
         if let Ok(mut state) = self.state.lock() {
-            if let Some(r) = state.own.get_mut(i) {
+            let Synced { own, unanswered, active, dirty, .. } = &mut *state;
+            if let (Some(r), Some(u)) = (own.get_mut(i), unanswered.get_mut(i)) {
                 let before = r.inflight;
-                f(r);
-                let after = r.inflight;
-                state.active = state.active.saturating_add(after).saturating_sub(before);
-                state.dirty = true;
+                f(r, u);
+                *active = active.saturating_add(r.inflight).saturating_sub(before);
+                *dirty = true;
             }
         }
     }
@@ -414,23 +400,23 @@ impl InflightTable for SharedInflight {
 
     fn acquire(&self, worker: &str, work: PrefillWork) {
         let now = self.host.now_ms();
-        self.with_own(worker, |r| r.acquire(now, work));
+        self.with_own(worker, |r, _| r.acquire(now, work));
     }
 
     fn awaiting(&self, worker: &str, waiting: Waiting) {
-        self.with_unanswered(worker, |u| u.add(waiting));
+        self.with_own(worker, |r, u| r.track(u, |u| u.add(waiting)));
     }
 
     fn answered(&self, worker: &str, waiting: Waiting) {
-        self.with_unanswered(worker, |u| u.answered(waiting));
+        self.with_own(worker, |r, u| r.track(u, |u| u.answered(waiting)));
     }
 
     fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
-        self.with_own(worker, |r| r.first_byte(prefill_tokens, sample, prior_tokens_per_ms));
+        self.with_own(worker, |r, _| r.first_byte(prefill_tokens, sample, prior_tokens_per_ms));
     }
 
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
-        self.with_own(worker, |r| r.release(prefill_tokens, held_ms));
+        self.with_own(worker, |r, _| r.release(prefill_tokens, held_ms));
     }
 
     fn now_ms(&self) -> u64 {
