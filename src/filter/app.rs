@@ -167,7 +167,7 @@ impl AppContext {
                 b.abandon(worker);
             }
         }
-        if let Some(event) = &effects.prefix_event {
+        for event in &effects.prefix_events {
             self.handles.outbox.push(event);
         }
         self.count(effects.counters);

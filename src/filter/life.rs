@@ -324,7 +324,7 @@ impl RequestLife {
                         };
                         // A prefill engine answers once its prefill is done: its wait times it.
                         let guard = app.on_dispatch(&prefill.id, exchange.decision().prefill_tokens, true);
-                        exchange.dispatched(&prefill.id);
+                        app.carry_out(exchange.dispatched(&prefill.id));
                         self.route(app, exchange, Some((token, Some(guard))), out);
                     }
                     Err(e) => {
@@ -598,7 +598,7 @@ impl RequestLife {
         let decision = exchange.decision();
         let guard =
             app.on_dispatch(&upstream.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill());
-        exchange.dispatched(&upstream.id);
+        app.carry_out(exchange.dispatched(&upstream.id));
         // The indexers' routed notices: nothing waits for them; their answers are only counted.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
         self.state = State::Routed(Box::new(Routed {

@@ -1,7 +1,7 @@
 //! One routed chat request after its decision, until its stream ends: which dispatches still owe a
-//! result, when the decode response may pass (via [`PdExchange`]), when the prefill work counts as
-//! done (the prefix is recorded only then, spec §3), and the request's one outcome. The filter
-//! reports each event and carries out the [`Effects`] it gets back.
+//! result, when the decode response may pass (via [`PdExchange`]), under which engine the prompt's
+//! prefix is recorded (spec §3), and the request's one outcome. The filter reports each event and
+//! carries out the [`Effects`] it gets back.
 
 use std::sync::Arc;
 
@@ -20,8 +20,10 @@ pub struct Effects {
     pub results: Vec<(String, UpstreamAnswer)>,
     /// Dispatches whose stream ended without a result: a probe among them is given back.
     pub abandoned: Vec<String>,
-    /// The prompt's prefix, recorded now that its engine did the prefill work.
-    pub prefix_event: Option<PrefixEvent>,
+    /// The prompt's prefix: recorded under the engine that prefills it as the request goes there
+    /// (the next request sharing it must know at once, not a first token later), and taken back
+    /// when that engine fails it or Envoy retries it elsewhere.
+    pub prefix_events: Vec<PrefixEvent>,
     /// Counters to bump, the request's one outcome among them.
     pub counters: Vec<Counter>,
 }
@@ -30,7 +32,10 @@ pub struct Effects {
 pub struct Exchange {
     decision: Decision,
     pd: Option<PdExchange>,
+    /// The decision's prefix event, as recorded for the engine it names.
     prefix_event: Option<PrefixEvent>,
+    /// The engine the prefix is recorded under now.
+    recorded_for: Option<String>,
     /// Workers dispatched to whose result is not recorded yet.
     unanswered: Vec<String>,
     /// PD only: the outcome is known once the prefill answered (or the decode failed first).
@@ -42,7 +47,7 @@ impl Exchange {
     pub fn new(mut decision: Decision) -> Self {
         let prefix_event = decision.prefix_event.take();
         let pd = decision.pd.as_ref().map(|pd| PdExchange::new(std::sync::Arc::clone(&pd.prefill)));
-        Self { outcome_pending: pd.is_some(), decision, pd, prefix_event, unanswered: Vec::new() }
+        Self { outcome_pending: pd.is_some(), decision, pd, prefix_event, recorded_for: None, unanswered: Vec::new() }
     }
 
     pub fn decision(&self) -> &Decision {
@@ -54,9 +59,46 @@ impl Exchange {
         std::mem::take(&mut self.decision.notices)
     }
 
-    /// A request or callout went to `worker`.
-    pub fn dispatched(&mut self, worker: &str) {
+    /// A request or callout went to `worker`: the engine that prefills the prompt has its prefix.
+    pub fn dispatched(&mut self, worker: &str) -> Effects {
         self.unanswered.push(worker.to_string());
+        let mut effects = Effects::default();
+        if *worker == self.decision.target.prefill_work().id {
+            self.record(&mut effects);
+        }
+        effects
+    }
+
+    /// Records the prefix under the engine that prefills the prompt, taking it back from the one it
+    /// was recorded under before (an engine Envoy's retry replaced).
+    fn record(&mut self, effects: &mut Effects) {
+        let worker = self.decision.target.prefill_work().id.clone();
+        if self.recorded_for.as_ref() == Some(&worker) {
+            return;
+        }
+        self.unrecord(effects);
+        if let Some(event) = self.prefix_event.as_ref().and_then(|e| Self::under(e, &worker, true)) {
+            effects.prefix_events.push(event);
+            self.recorded_for = Some(worker);
+        }
+    }
+
+    /// The engine the prefix was recorded under failed the request: it does not hold it.
+    fn unrecord(&mut self, effects: &mut Effects) {
+        if let Some(worker) = self.recorded_for.take() {
+            effects.prefix_events.extend(self.prefix_event.as_ref().and_then(|e| Self::under(e, &worker, false)));
+        }
+    }
+
+    /// The decision's prefix event stored (or removed) under `worker`.
+    fn under(event: &PrefixEvent, worker: &str, stored: bool) -> Option<PrefixEvent> {
+        let PrefixEvent::Stored { model, text, tier, .. } = event else { return None };
+        let (model, worker, text) = (model.clone(), worker.to_string(), text.clone());
+        Some(if stored {
+            PrefixEvent::Stored { model, worker, text, tier: *tier }
+        } else {
+            PrefixEvent::Removed { model, worker, text }
+        })
     }
 
     fn answered(&mut self, worker: &str, answer: UpstreamAnswer, effects: &mut Effects) {
@@ -90,7 +132,8 @@ impl Exchange {
         effects.results.extend(others.iter().map(|e| (e.id.clone(), UpstreamAnswer::Failed)));
         effects.counters.extend(refused.iter().map(|_| Counter::Retry(stage)));
         self.decision.target.set_upstream(Arc::clone(&fallback));
-        self.unanswered.push(fallback.id.clone());
+        let moved = self.dispatched(&fallback.id);
+        effects.prefix_events.extend(moved.prefix_events);
         Some((fallback, effects))
     }
 
@@ -110,8 +153,8 @@ impl Exchange {
                 flow
             }
             None => {
-                if answer.succeeded() {
-                    effects.prefix_event = self.prefix_event.take();
+                if !answer.succeeded() {
+                    self.unrecord(&mut effects);
                 }
                 Flow::Pass
             }
@@ -134,8 +177,8 @@ impl Exchange {
         let done = pd.on_prefill_done(status);
         let answer = UpstreamAnswer::from_status(status);
         self.answered(&prefill, answer, &mut effects);
-        if answer.succeeded() {
-            effects.prefix_event = self.prefix_event.take();
+        if !answer.succeeded() {
+            self.unrecord(&mut effects);
         }
         match &done {
             PrefillDone::Fail(e) => self.outcome(e.kind.type_name(), &mut effects),
@@ -162,7 +205,7 @@ mod tests {
     use crate::filter::generation::pd::PdDispatch;
     use crate::filter::generation::Target;
     use crate::filter::ErrorKind;
-    use crate::registry::Role;
+    use crate::registry::{EngineAddress, Role};
     use crate::state::prefix::Tier;
     use crate::testing::{worker, worker_with};
 
@@ -170,13 +213,16 @@ mod tests {
         PrefixEvent::Stored { model: "m".into(), worker: worker.into(), text: "hi".into(), tier: Tier::Gpu }
     }
 
-    fn plain() -> Exchange {
-        let a = worker("A");
-        let mut x = Exchange::new(Decision {
+    fn removed(worker: &str) -> PrefixEvent {
+        PrefixEvent::Removed { model: "m".into(), worker: worker.into(), text: "hi".into() }
+    }
+
+    fn plain_with(fallbacks: Vec<Arc<Engine>>) -> Exchange {
+        Exchange::new(Decision {
             bucket_id: "b".into(),
-            target: Target::Plain(a),
+            target: Target::Plain(worker("A")),
             upstream_headers: vec![("x-sgl-cluster".into(), "sgl_A".into())],
-            fallbacks: vec![],
+            fallbacks,
             pd: None,
             body: None,
             rid: None,
@@ -184,8 +230,12 @@ mod tests {
             notices: vec![],
             prefill_tokens: 0,
             stream: false,
-        });
-        x.dispatched("A");
+        })
+    }
+
+    fn plain() -> Exchange {
+        let mut x = plain_with(vec![]);
+        assert_eq!(x.dispatched("A").prefix_events, [event("A")], "recorded as the request goes");
         x
     }
 
@@ -211,36 +261,49 @@ mod tests {
             prefill_tokens: 0,
             stream: false,
         });
-        x.dispatched("P");
-        x.dispatched("D");
+        assert_eq!(x.dispatched("P").prefix_events, [event("P")]);
+        assert_eq!(x.dispatched("D").prefix_events, [], "the decode engine does not prefill");
         x
     }
 
     #[test]
-    fn a_plain_prefix_is_recorded_only_when_the_engine_answered_2xx() {
+    fn a_plain_prefix_recorded_at_dispatch_is_taken_back_when_the_engine_fails_it() {
         let mut failed = plain();
         let (_, effects) = failed.on_upstream_headers(Some(503));
-        assert_eq!(effects.prefix_event, None);
+        assert_eq!(effects.prefix_events, [removed("A")]);
         assert_eq!(effects.results, [("A".to_string(), UpstreamAnswer::Failed)]);
         assert!(effects.counters.is_empty(), "a plain outcome was counted with its selection");
         let mut ok = plain();
-        assert_eq!(ok.on_upstream_headers(Some(200)).1.prefix_event, Some(event("A")));
+        assert_eq!(ok.on_upstream_headers(Some(200)).1.prefix_events, []);
+        assert_eq!(ok.on_end().prefix_events, [], "recorded once");
     }
 
     #[test]
-    fn a_pd_prefix_is_recorded_when_the_prefill_succeeds_never_when_it_fails() {
+    fn a_prefix_moves_with_the_request_envoy_retried_elsewhere() {
+        let b =
+            Arc::new(Engine { address: EngineAddress { host: "127.0.0.1".into(), port: 2 }, ..(*worker("B")).clone() });
+        let mut x = plain_with(vec![b]);
+        x.dispatched("A");
+        let (engine, effects) = x.retried("127.0.0.1:2").unwrap();
+        assert_eq!(engine.id, "B");
+        assert_eq!(effects.prefix_events, [removed("A"), event("B")]);
+        assert_eq!(x.on_upstream_headers(Some(200)).1.prefix_events, []);
+    }
+
+    #[test]
+    fn a_pd_prefix_stays_when_the_prefill_succeeds_and_is_taken_back_when_it_fails() {
         let mut x = pd();
         let (flow, effects) = x.on_upstream_headers(Some(200));
-        assert_eq!((flow, effects.prefix_event), (Flow::Hold, None), "decode success is not the prefill's");
+        assert_eq!((flow, effects.prefix_events), (Flow::Hold, vec![]));
         let (done, effects) = x.on_prefill_done(Some(200));
         assert_eq!(done, PrefillDone::Resume);
-        assert_eq!(effects.prefix_event, Some(event("P")));
+        assert_eq!(effects.prefix_events, []);
         assert_eq!(effects.counters, [Counter::Outcome("routed")]);
 
         let mut y = pd();
         let (done, effects) = y.on_prefill_done(Some(500));
         assert!(matches!(done, PrefillDone::Fail(ref e) if e.kind == ErrorKind::PrefillFailed));
-        assert_eq!(effects.prefix_event, None);
+        assert_eq!(effects.prefix_events, [removed("P")]);
         assert_eq!(effects.counters, [Counter::Outcome("PrefillFailed")], "one outcome, not routed as well");
         assert!(y.on_end().counters.is_empty(), "and never a second one");
     }
