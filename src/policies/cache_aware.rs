@@ -850,12 +850,12 @@ mod tests {
     fn a_miss_goes_where_the_least_distinct_content_went_among_equally_idle_engines() {
         let s = State::new();
         s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
-        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         s.inflight.release("A", 4_096, 5);
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
         let r = pick(&p, &["A", "B"], 1000).unwrap();
         assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::CacheMiss));
-        s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         s.inflight.release("B", 8_192, 5);
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
     }
@@ -865,12 +865,12 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 0))]);
         // Sent 2,000 tokens at 1 token/ms: 2 s of prefill the report does not show.
-        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 1.0, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 1.0, ahead: 0, slot_wait_ms: 0 });
         let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B");
         s.inflight.set_now(2_000);
         // Drained: the next difference decides — B was given more distinct content than A.
-        s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
     }
 
@@ -878,7 +878,7 @@ mod tests {
     fn learned(s: &State, worker: &str, tokens_per_ms: f64, n: u64) {
         for i in 0..n {
             let tokens = 100 + (i % 5) * 700;
-            s.inflight.acquire(worker, PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0 });
+            s.inflight.acquire(worker, PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
             let ms = 5 + (tokens as f64 / tokens_per_ms) as u64;
             s.inflight.first_byte(worker, tokens, Some(Sample { tokens, ms }), 20.0);
             s.inflight.release(worker, 0, ms);
@@ -897,7 +897,7 @@ mod tests {
         let s = State::new();
         let p = misses_between(&s, "A", "B");
         // By the prior both prefill at 20 tokens/ms; A was given more distinct content.
-        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         s.inflight.release("A", 4_096, 5);
         assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "B");
         // B turns out four times slower than A: a long prompt goes to A, a short one still
@@ -913,7 +913,7 @@ mod tests {
         let s = State::new();
         let p = misses_between(&s, "A", "U");
         // U was sent 2,000 tokens and has not answered yet; A answers at 2 tokens/ms.
-        s.inflight.acquire("U", PrefillWork { tokens: 2_000, tokens_per_ms: 2.0, ahead: 0 });
+        s.inflight.acquire("U", PrefillWork { tokens: 2_000, tokens_per_ms: 2.0, ahead: 0, slot_wait_ms: 0 });
         learned(&s, "A", 2.0, 40);
         // At the configured 20 tokens/ms U's queue would look 150 ms long, A's own prefill 500 ms.
         assert_eq!(pick(&p, &["A", "U"], 1000).unwrap().engine.id, "A");
@@ -926,7 +926,7 @@ mod tests {
         let p = policy(&s, Fixed::matches(&[("A", 900)]), tuned(|_| {}), AdmissionLimits::default());
         // A was sent a 2,000-token prompt at 0 whose first token is still to come; by the prior
         // it takes 100 ms.
-        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
         s.inflight.awaiting("A", Waiting { since_ms: 0, tokens: 2_000 });
         s.inflight.set_now(100);
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A", "on time: the hit stays");
@@ -944,7 +944,7 @@ mod tests {
         let p = misses_between(&s, "A", "B");
         learned(&s, "A", 8.2, 40);
         learned(&s, "B", 7.8, 40);
-        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         s.inflight.release("A", 4_096, 5);
         assert_eq!(pick(&p, &["A", "B"], 2000).unwrap().engine.id, "B", "A was given more, though a little faster");
     }

@@ -230,7 +230,7 @@ mod tests {
         let s = State::new();
         // Equal native reports without num_waiting_uncached_tokens; A was sent 3,000 tokens.
         s.loads(&[("A", native_load(2, 0)), ("B", native_load(2, 0))]);
-        s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0, ahead: 0, slot_wait_ms: 0 });
         let plain = p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())
             .pick(&workers(&["A", "B"]), &request(Role::Plain))
             .unwrap();
@@ -250,7 +250,7 @@ mod tests {
     #[test]
     fn without_reports_the_prefill_sent_counts_before_requests_in_flight_and_not_for_decode() {
         let s = State::new();
-        s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0, ahead: 0 });
+        s.inflight.acquire("A", PrefillWork { tokens: 3_000, tokens_per_ms: 1.0, ahead: 0, slot_wait_ms: 0 });
         s.inflight.set("B", 4);
         let pick = |stage| {
             p2c(Draws::picking(2, 0, 1), &s, AdmissionLimits::default())

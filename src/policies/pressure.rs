@@ -10,25 +10,26 @@ use crate::state::load_monitor::{EngineLoad, InflightTable, LocalLoad};
 /// request counts decide between engines that are not prefilling.
 pub const PREFILL_QUANTUM_TOKENS: u64 = 256;
 
-/// The prefill rate assumed of an engine until its first bytes tell, in tokens per millisecond: the
-/// configured `load.prefill_tokens_per_s`, which a timed engine's fit leans on while young; an
-/// engine not yet timed is assumed no faster than the slowest one timed
-/// ([`InflightTable::untimed_prior`]).
+/// The prefill rate assumed of an engine until its own first bytes tell, in tokens per millisecond:
+/// for a timed engine, whose fit leans on it while young, the fleet's pooled rate on the configured
+/// `load.prefill_tokens_per_s` ([`InflightTable::fleet_rate`]); for an engine not yet timed, no
+/// faster than the slowest one timed ([`InflightTable::untimed_prior`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Prior {
-    pub configured: f64,
+    pub timed: f64,
     pub untimed: f64,
 }
 
 impl Prior {
     pub fn new(table: &dyn InflightTable, configured: f64) -> Self {
-        Self { configured, untimed: table.untimed_prior(configured) }
+        let fleet = table.fleet_rate(configured);
+        Self { timed: fleet, untimed: table.untimed_prior(fleet) }
     }
 
     /// The prior of the engine whose router-local load is `local`.
     pub fn of(&self, local: &LocalLoad) -> f64 {
         if local.speed.weight() > 0.0 {
-            self.configured
+            self.timed
         } else {
             self.untimed
         }
@@ -51,16 +52,22 @@ pub fn prefill_rate(load: Option<&EngineLoad>, local: &LocalLoad, prior_tokens_p
 }
 
 /// How long a new request bringing `uncached` tokens would wait at an engine for its first
-/// token, in milliseconds, by what the router can see: its turn for a running slot (the requests
-/// ahead of it beyond the engine's slots, reported plus sent since the report, each costing the
-/// engine's average hold time shared over its slots), then the prefill queue and its own tokens
+/// token, in milliseconds, by what the router can see: its turn for a running slot
+/// ([`slot_wait_ms`]), then the prefill queue and its own tokens
 /// at the engine's prefill rate ([`prefill_rate`]), and the engine's learned time to a first byte
 /// with nothing to prefill. Unknown parts count as none.
 pub fn expected_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad, uncached: u64, prior_tokens_per_ms: f64) -> f64 {
     let overhead = local.speed_now(prior_tokens_per_ms).overhead_ms;
     let prefill = overhead
         + pending_prefill(load, local).saturating_add(uncached) as f64 / prefill_rate(load, local, prior_tokens_per_ms);
-    let slot = match (load, local.hold_ms) {
+    slot_wait_ms(load, local) + prefill
+}
+
+/// How long a new request would wait for a running slot at an engine, in milliseconds: the
+/// requests ahead of it beyond the engine's slots, reported plus sent since the report, each costing
+/// the engine's average hold time shared over its slots. Unknown: none.
+pub fn slot_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad) -> f64 {
+    match (load, local.hold_ms) {
         (Some(l), Some(hold_ms)) => match (l.running, l.waiting, l.max_running) {
             (Some(running), Some(waiting), Some(slots)) if slots > 0 => {
                 let sent_since = local.dispatched_total.saturating_sub(l.dispatches_at_report);
@@ -73,8 +80,7 @@ pub fn expected_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad, uncached: 
             _ => 0.0,
         },
         _ => 0.0,
-    };
-    slot + prefill
+    }
 }
 
 fn by<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Ordering {

@@ -12,17 +12,19 @@ use super::speed::{Sample, Speed, SpeedFit};
 use super::unanswered::{Unanswered, Waited, Waiting};
 
 /// Prefill work one dispatch hands an engine: its uncached prompt tokens, the rate at which the
-/// engine's prefill drains them, and the uncached tokens queued ahead of them there.
+/// engine's prefill drains them, the uncached tokens queued ahead of them there, and how long the
+/// request was expected to wait for a running slot before the engine starts on it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PrefillWork {
     pub tokens: u64,
     pub tokens_per_ms: f64,
     pub ahead: u64,
+    pub slot_wait_ms: u64,
 }
 
 impl PrefillWork {
     /// A stage with no prefill work (a PD decode engine).
-    pub const NONE: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 0.0, ahead: 0 };
+    pub const NONE: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 0.0, ahead: 0, slot_wait_ms: 0 };
 }
 
 /// What the router itself knows of one engine.
@@ -89,15 +91,37 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn sync_if_due(&self) {}
     /// No dispatch of this router is in flight.
     fn idle(&self) -> bool;
+    /// Hands `each` every engine's speed fit, over the samples of every VM.
+    fn each_fit(&self, each: &mut dyn FnMut(SpeedFit));
+
     /// The slowest prefill rate learned of any engine that was timed, on `prior_tokens_per_ms`
     /// (none timed yet: `None`).
-    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64>;
+    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
+        let mut slowest: Option<f64> = None;
+        self.each_fit(&mut |f| {
+            if f.weight() > 0.0 {
+                let rate = f.speed(prior_tokens_per_ms).tokens_per_ms;
+                slowest = Some(slowest.map_or(rate, |s| s.min(rate)));
+            }
+        });
+        slowest
+    }
 
     /// The prior for an engine not yet timed: as slow as the slowest one timed, never faster than
-    /// the configured `prior_tokens_per_ms`. Engines of one fleet are alike more often than not,
-    /// and one assumed too fast is sent a queue it cannot drain before its first byte can say so.
+    /// `prior_tokens_per_ms`. Engines of one fleet are alike more often than not, and one assumed
+    /// too fast is sent a queue it cannot drain before its first byte can say so.
     fn untimed_prior(&self, prior_tokens_per_ms: f64) -> f64 {
         self.slowest_timed_rate(prior_tokens_per_ms).map_or(prior_tokens_per_ms, |r| r.min(prior_tokens_per_ms))
+    }
+
+    /// The fleet's prefill rate: every timed engine's samples in one fit, on the configured
+    /// `prior_tokens_per_ms` (none timed yet: that). Each engine's own fit leans on it while young:
+    /// an engine sees few prompts of very different lengths, which tell its rate, but the fleet
+    /// sees many, and engines of one model differ far less than the configured rate may err.
+    fn fleet_rate(&self, prior_tokens_per_ms: f64) -> f64 {
+        let mut pooled = SpeedFit::default();
+        self.each_fit(&mut |f| pooled = pooled.merged(&f));
+        pooled.speed(prior_tokens_per_ms).tokens_per_ms
     }
 
     fn inflight(&self, worker: &str) -> u64 {
@@ -135,11 +159,6 @@ impl PrefillQueue {
             self.tokens_per_ms = work.tokens_per_ms;
         }
     }
-}
-
-/// The slowest rate of the timed fits among `fits`.
-pub(super) fn slowest(fits: impl Iterator<Item = SpeedFit>, prior_tokens_per_ms: f64) -> Option<f64> {
-    fits.filter(|f| f.weight() > 0.0).map(|f| f.speed(prior_tokens_per_ms).tokens_per_ms).min_by(f64::total_cmp)
 }
 
 /// Holds one in-flight slot of a worker until dropped: the stage's end, however it ends.
@@ -184,9 +203,14 @@ impl InflightGuard {
         guard
     }
 
-    /// The dispatch as it waits: since it was sent, with the tokens to prefill before its first.
+    /// The dispatch as it waits: since the engine was expected to start on it (a request queued
+    /// for a running slot is not late for its prefill while it waits its turn), with the tokens to
+    /// prefill before its first.
     fn waiting(&self) -> Waiting {
-        Waiting { since_ms: self.started_ms, tokens: self.work.ahead.saturating_add(self.work.tokens) }
+        Waiting {
+            since_ms: self.started_ms.saturating_add(self.work.slot_wait_ms),
+            tokens: self.work.ahead.saturating_add(self.work.tokens),
+        }
     }
 
     fn stop_waiting(&mut self) {
@@ -203,8 +227,12 @@ impl InflightGuard {
             return;
         }
         self.stop_waiting();
-        let sample = timed
-            .then(|| Sample { tokens: self.waiting().tokens, ms: self.table.now_ms().saturating_sub(self.started_ms) });
+        // Timed from the engine's expected turn for a slot, as a late dispatch is: otherwise the
+        // hits a busy holder keeps, which wait for slots, and the cold prompts sent to idle
+        // engines, which do not, tilt the line toward an engine that prefills for free.
+        let waited = self.waiting();
+        let sample =
+            timed.then(|| Sample { tokens: waited.tokens, ms: self.table.now_ms().saturating_sub(waited.since_ms) });
         self.table.first_byte(&self.worker, self.work.tokens, sample, self.prior_tokens_per_ms);
     }
 }
@@ -284,16 +312,20 @@ impl Record {
 
     /// The prefill lane's tokens left at `now_ms`. When the oldest unanswered dispatch is late
     /// (`Late` in `speed.rs`) the lane drains no faster than it shows the engine can go, and holds
-    /// at least what that dispatch is expected still to need.
+    /// at least what that dispatch is expected still to need and all the work sent since it: an
+    /// engine that has not reached the end of one prompt has not started the ones queued behind it.
     pub(super) fn pending_at(&self, now_ms: u64) -> u64 {
         let lane = self.queue.tokens_per_ms;
-        let late = self.waiting.and_then(|w| self.speed.late(self.speed.speed(lane), w.at(now_ms)));
+        let waited = self.waiting.map(|w| w.at(now_ms));
+        let late = waited.and_then(|w| self.speed.late(self.speed.speed(lane), w).map(|late| (w, late)));
         match late {
             None => self.queue.at(now_ms, self.outstanding_tokens, lane),
-            Some(late) => self
-                .queue
-                .at(now_ms, self.outstanding_tokens, late.tokens_per_ms.min(lane))
-                .max(late.remaining_tokens.min(self.outstanding_tokens)),
+            Some((waited, late)) => {
+                let behind = self.outstanding_tokens.saturating_sub(waited.tokens);
+                self.queue
+                    .at(now_ms, self.outstanding_tokens, late.tokens_per_ms.min(lane))
+                    .max(late.remaining_tokens.saturating_add(behind).min(self.outstanding_tokens))
+            }
         }
     }
 
@@ -358,9 +390,10 @@ impl InflightTable for MemoryInflight {
         self.records.lock().is_ok_and(|c| c.values().all(|(r, _)| r.inflight == 0))
     }
 
-    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
-        let c = self.records.lock().ok()?;
-        slowest(c.values().map(|(r, _)| r.speed), prior_tokens_per_ms)
+    fn each_fit(&self, each: &mut dyn FnMut(SpeedFit)) {
+        if let Ok(c) = self.records.lock() {
+            c.values().for_each(|(r, _)| each(r.speed));
+        }
     }
 }
 
@@ -387,6 +420,24 @@ mod tests {
     }
 
     #[test]
+    fn an_engine_that_saw_one_prompt_length_leans_on_the_fleets_rate_not_the_configured_one() {
+        let table = MemoryInflight::default();
+        assert_eq!(table.fleet_rate(20.0), 20.0, "nothing timed: the configured rate");
+        // A prefills at 2 tokens/ms and was sent prompts of every length; B, as slow, only hits.
+        for tokens in [256, 2_048, 4_096, 1_024] {
+            table.first_byte("A", 0, Some(Sample { tokens, ms: 30 + tokens / 2 }), 20.0);
+        }
+        for _ in 0..4 {
+            table.first_byte("B", 0, Some(Sample { tokens: 150, ms: 30 + 75 }), 20.0);
+        }
+        let fleet = table.fleet_rate(20.0);
+        assert!((fleet - 2.0).abs() < 0.2, "{fleet}");
+        let b = table.local_load("B").speed;
+        assert!(b.speed(20.0).tokens_per_ms > 10.0, "on the configured rate B looks ten times as fast");
+        assert!((b.speed(fleet).tokens_per_ms - 2.0).abs() < 0.2, "{:?}", b.speed(fleet));
+    }
+
+    #[test]
     fn guards_release_on_drop_and_never_go_below_zero() {
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
         let a = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork::NONE, 20.0, false);
@@ -400,7 +451,7 @@ mod tests {
         assert_eq!(table.dispatched_total("A"), 2);
     }
 
-    const FAST: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 10.0, ahead: 0 };
+    const FAST: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 10.0, ahead: 0, slot_wait_ms: 0 };
 
     #[test]
     fn pending_prefill_drains_at_the_engines_rate() {
@@ -428,7 +479,7 @@ mod tests {
     #[test]
     fn finished_requests_bound_the_estimate() {
         // A rate far below the engine's: the estimate would linger, but the requests finished.
-        let slow = PrefillWork { tokens: 1_000, tokens_per_ms: 0.001, ahead: 0 };
+        let slow = PrefillWork { tokens: 1_000, tokens_per_ms: 0.001, ahead: 0, slot_wait_ms: 0 };
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
         let a = InflightGuard::acquire(Arc::clone(&table), "A", slow, 20.0, false);
         let b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 300, ..slow }, 20.0, false);
@@ -444,7 +495,7 @@ mod tests {
         let inner = Arc::new(MemoryInflight::default());
         let table: Arc<dyn InflightTable> = inner.clone();
         // Two cold prompts sent at once; by the prior the engine prefills them within 150 ms.
-        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 };
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
         let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, true);
         let b = InflightGuard::acquire(
             Arc::clone(&table),
@@ -463,8 +514,9 @@ mod tests {
         let late = table.local_load("A");
         assert_eq!(late.speed_now(20.0).tokens_per_ms, 2.0);
         // The lane drained at 2 tokens/ms leaves 900 of the 3,000 sent; the first one, 900 ms
-        // late, is as likely as not to be 900 ms later still: 1,800 tokens at that rate.
-        assert_eq!(late.pending_prefill_tokens, 1_800, "the lane holds what the engine showed, not the prior");
+        // late, is as likely as not to be 900 ms later still: 1,800 tokens at that rate, and the
+        // second one's 1,000 are not started.
+        assert_eq!(late.pending_prefill_tokens, 2_800, "the lane holds what the engine showed, not the prior");
         assert_eq!(late.speed.weight(), 0.0, "no sample is taken until an answer comes");
         // The first one answers: the second waits on, and what the answer taught keeps the engine
         // slow (one sample: as a fixed time to a first byte, until more samples tell the rate).
@@ -480,10 +532,50 @@ mod tests {
     }
 
     #[test]
+    fn a_dispatch_waiting_its_expected_turn_for_a_running_slot_is_not_late() {
+        let inner = Arc::new(MemoryInflight::default());
+        let table: Arc<dyn InflightTable> = inner.clone();
+        // Sent to an engine whose slots were full: its turn for one was expected in 600 ms.
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 600 };
+        let _queued = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, true);
+        inner.set_now(700);
+        assert_eq!(table.local_load("A").speed_now(20.0).tokens_per_ms, 20.0, "waited its turn, then 100 ms: on time");
+        inner.set_now(1_650);
+        // 1,000 ms past its turn and the 50 ms a first token takes at least: under 2 tokens/ms.
+        assert_eq!(table.local_load("A").speed_now(20.0).tokens_per_ms, 2.0, "late past its turn: the engine is slow");
+    }
+
+    #[test]
+    fn a_first_byte_is_timed_from_the_expected_turn_for_a_slot() {
+        let inner = Arc::new(MemoryInflight::default());
+        let table: Arc<dyn InflightTable> = inner.clone();
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 600 };
+        let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, true);
+        inner.set_now(700);
+        a.first_byte(true);
+        let speed = table.local_load("A").speed.speed(20.0);
+        assert!((speed.first_byte_ms(2_000) - 100.0).abs() < 1e-6, "600 ms of it was the turn for a slot: {speed:?}");
+    }
+
+    #[test]
+    fn of_unanswered_dispatches_the_one_due_first_tells() {
+        let inner = Arc::new(MemoryInflight::default());
+        let table: Arc<dyn InflightTable> = inner.clone();
+        let queued = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 600 };
+        let _queued = InflightGuard::acquire(Arc::clone(&table), "A", queued, 20.0, true);
+        inner.set_now(100);
+        // Sent later, to a slot that had come free: due first.
+        let free = PrefillWork { tokens: 500, slot_wait_ms: 0, ..queued };
+        let _free = InflightGuard::acquire(Arc::clone(&table), "A", free, 20.0, true);
+        inner.set_now(300);
+        assert_eq!(table.local_load("A").unanswered, Some(Waited { ms: 200, tokens: 500 }));
+    }
+
+    #[test]
     fn a_dispatch_whose_first_byte_will_not_time_the_engine_never_slows_it() {
         let inner = Arc::new(MemoryInflight::default());
         let table: Arc<dyn InflightTable> = inner.clone();
-        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 };
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
         let _whole = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, false);
         inner.set_now(10_000);
         let load = table.local_load("A");
@@ -493,7 +585,7 @@ mod tests {
     #[test]
     fn a_first_byte_ends_the_prefill_and_a_timed_one_teaches_the_speed() {
         let table: Arc<dyn InflightTable> = Arc::new(MemoryInflight::default());
-        let work = PrefillWork { tokens: 800, tokens_per_ms: 0.001, ahead: 400 };
+        let work = PrefillWork { tokens: 800, tokens_per_ms: 0.001, ahead: 400, slot_wait_ms: 0 };
         let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, false);
         let mut b = InflightGuard::acquire(Arc::clone(&table), "A", PrefillWork { tokens: 100, ..work }, 20.0, false);
         assert_eq!(table.local_load("A").pending_prefill_tokens, 900);

@@ -19,7 +19,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::inflight::slowest;
 use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
 use super::speed::{Sample, SpeedFit};
 use super::unanswered::{Unanswered, Waiting};
@@ -427,10 +426,10 @@ impl InflightTable for SharedInflight {
         self.state.lock().is_ok_and(|s| s.active == 0)
     }
 
-    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
-        let state = self.state.lock().ok()?;
-        let fits = state.own.iter().zip(&state.others).map(|(own, others)| own.speed.merged(&others.speed));
-        slowest(fits, prior_tokens_per_ms)
+    fn each_fit(&self, each: &mut dyn FnMut(SpeedFit)) {
+        if let Ok(state) = self.state.lock() {
+            state.own.iter().zip(&state.others).for_each(|(own, others)| each(own.speed.merged(&others.speed)));
+        }
     }
 
     fn sync_if_due(&self) {
@@ -600,7 +599,7 @@ mod tests {
     fn every_vms_prefill_lane_counts_and_a_dead_vms_tokens_leave_the_bound() {
         let host = Arc::new(MemoryHost::default());
         let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
-        let work = PrefillWork { tokens: 400, tokens_per_ms: 0.001, ahead: 0 };
+        let work = PrefillWork { tokens: 400, tokens_per_ms: 0.001, ahead: 0, slot_wait_ms: 0 };
         vm1.acquire("A", work);
         vm2.acquire("A", work);
         vm2.sync();
@@ -648,7 +647,7 @@ mod tests {
     fn teach(vm: &SharedInflight, n: u64) {
         for i in 0..n {
             let tokens = 100 + (i % 7) * 500;
-            vm.acquire("A", PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0 });
+            vm.acquire("A", PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
             vm.first_byte("A", tokens, Some(Sample { tokens, ms: 10 + tokens / 5 }), 20.0);
             vm.release("A", 0, 50);
         }
@@ -677,7 +676,7 @@ mod tests {
     fn a_dispatch_one_vm_still_waits_on_slows_the_engine_for_every_vm() {
         let host = Arc::new(MemoryHost::default());
         let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
-        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0 };
+        let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
         let sent = Waiting { since_ms: host.now_ms(), tokens: 2_000 };
         vm1.acquire("A", work);
         vm1.awaiting("A", sent);

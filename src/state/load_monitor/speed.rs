@@ -1,6 +1,7 @@
 //! An engine's prefill speed as the router observes it (issue 29): each streamed request's time to
-//! first byte against the prefill tokens that had to go before it — the uncached tokens queued
-//! ahead of it at the engine, by the router's own account, and its own. A robust least-squares
+//! first byte, from its expected turn for a running slot, against the prefill tokens that had to go
+//! before it — the uncached tokens queued ahead of it at the engine, by the router's own account,
+//! and its own. A robust least-squares
 //! line through those points gives the engine's prefill rate (its slope) and its fixed time to a
 //! first byte (its intercept: a scheduler turn, the launch, the network).
 //!

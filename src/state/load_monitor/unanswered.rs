@@ -13,8 +13,9 @@ use std::collections::VecDeque;
 /// ones are answered (the oldest are the ones that tell).
 pub const MAX_TRACKED: usize = 256;
 
-/// A dispatch sent at `since_ms` that brings `tokens` to prefill before its first token (queued
-/// ahead of it by the router's account, and its own).
+/// A dispatch the engine was expected to start on at `since_ms` (sent, then its turn for a running
+/// slot) that brings `tokens` to prefill before its first token (queued ahead of it by the router's
+/// account, and its own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Waiting {
     pub since_ms: u64,
@@ -72,8 +73,10 @@ impl Unanswered {
         }
     }
 
+    /// The one that has waited longest for its prefill: dispatches are tracked in the order they
+    /// were sent, but one sent later behind fewer requests for a slot may be due first.
     pub(super) fn oldest(&self) -> Option<Waiting> {
-        self.entries.front().copied()
+        self.entries.iter().min_by_key(|w| w.since_ms).copied()
     }
 }
 
