@@ -14,7 +14,7 @@ use super::queue::WaitingRoom;
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::{GroupsConfig, RouterConfig};
-use crate::policies::pressure::{pending_prefill, prefill_rate, slot_wait_ms, Prior};
+use crate::policies::pressure::{pending_prefill, prefill_rate, slot_wait_ms};
 use crate::registry::{Availability, EngineRegistry};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
@@ -147,7 +147,7 @@ impl AppContext {
         let (load, local) = (snapshot.get(worker), self.handles.inflight.local_load(worker));
         // The rate the engine's prefill lane drains at: an engine not yet timed drains at the
         // slowest timed one's, or a slow engine's lane empties on paper before its first byte.
-        let prior = Prior::new(self.handles.inflight.as_ref(), prior).of(&local);
+        let prior = self.handles.inflight.prior(prior).of(&local);
         let work = PrefillWork {
             tokens: prefill_tokens,
             tokens_per_ms: prefill_rate(load, &local, prior),

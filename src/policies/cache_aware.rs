@@ -12,13 +12,13 @@ use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use super::admission::AdmissionGate;
-use super::pressure::{expected_wait_ms, prefill_rate, Prior, PREFILL_QUANTUM_TOKENS};
+use super::pressure::{expected_wait_ms, prefill_rate, PREFILL_QUANTUM_TOKENS};
 use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::config::CacheAwareConfig;
 use crate::host::{Host, HostError};
 use crate::protocol::indexer::PrefixHit;
 use crate::registry::Engine;
-use crate::state::load_monitor::{EngineLoad, InflightTable, LoadSnapshot, LocalLoad};
+use crate::state::load_monitor::{EngineLoad, InflightTable, LoadSnapshot, LocalLoad, Prior};
 use crate::state::prefix::PrefixReplica;
 use crate::state::schedule::Period;
 
@@ -260,7 +260,7 @@ impl CacheAwarePolicy {
 
     /// The rates assumed of engines not yet timed, for one pick.
     fn prior(&self) -> Prior {
-        Prior::new(self.gate.inflight.as_ref(), self.assumed_tokens_per_ms)
+        self.gate.inflight.prior(self.assumed_tokens_per_ms)
     }
 
     fn waiting(snapshot: &LoadSnapshot, w: &Engine) -> Option<u64> {
@@ -924,6 +924,9 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 0))]);
         let p = policy(&s, Fixed::matches(&[("A", 900)]), tuned(|_| {}), AdmissionLimits::default());
+        // B idle, in the table as in the shared one (which holds every engine): A's lateness is
+        // A's alone, not the fleet's.
+        s.inflight.set("B", 0);
         // A was sent a 2,000-token prompt at 0 whose first token is still to come; by the prior
         // it takes 100 ms.
         s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });

@@ -4,37 +4,11 @@
 use std::cmp::Ordering;
 
 use crate::registry::Role;
-use crate::state::load_monitor::{EngineLoad, InflightTable, LocalLoad};
+use crate::state::load_monitor::{EngineLoad, LocalLoad};
 
 /// Prefill work under this many tokens takes an engine a few milliseconds: compared as none, so
 /// request counts decide between engines that are not prefilling.
 pub const PREFILL_QUANTUM_TOKENS: u64 = 256;
-
-/// The prefill rate assumed of an engine until its own first bytes tell, in tokens per millisecond:
-/// for a timed engine, whose fit leans on it while young, the fleet's pooled rate on the configured
-/// `load.prefill_tokens_per_s` ([`InflightTable::fleet_rate`]); for an engine not yet timed, no
-/// faster than the slowest one timed ([`InflightTable::untimed_prior`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Prior {
-    pub timed: f64,
-    pub untimed: f64,
-}
-
-impl Prior {
-    pub fn new(table: &dyn InflightTable, configured: f64) -> Self {
-        let fleet = table.fleet_rate(configured);
-        Self { timed: fleet, untimed: table.untimed_prior(fleet) }
-    }
-
-    /// The prior of the engine whose router-local load is `local`.
-    pub fn of(&self, local: &LocalLoad) -> f64 {
-        if local.speed.weight() > 0.0 {
-            self.timed
-        } else {
-            self.untimed
-        }
-    }
-}
 
 /// Uncached prompt tokens waiting at an engine: what it reports, else the router's own estimate
 /// of what it sent and the engine has not yet prefilled (docs/architecture.md, "Design deviations").

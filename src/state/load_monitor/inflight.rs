@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::fleet::{EngineFit, Prior};
 use super::speed::{Sample, Speed, SpeedFit};
 use super::unanswered::{Unanswered, Waited, Waiting};
 
@@ -91,37 +92,15 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn sync_if_due(&self) {}
     /// No dispatch of this router is in flight.
     fn idle(&self) -> bool;
-    /// Hands `each` every engine's speed fit, over the samples of every VM.
-    fn each_fit(&self, each: &mut dyn FnMut(SpeedFit));
+    /// Hands `each` every engine's speed fit, over the samples of every VM, and its
+    /// longest-waiting unanswered dispatch.
+    fn each_fit(&self, each: &mut dyn FnMut(EngineFit));
 
-    /// The slowest prefill rate learned of any engine that was timed, on `prior_tokens_per_ms`
-    /// (none timed yet: `None`).
-    fn slowest_timed_rate(&self, prior_tokens_per_ms: f64) -> Option<f64> {
-        let mut slowest: Option<f64> = None;
-        self.each_fit(&mut |f| {
-            if f.weight() > 0.0 {
-                let rate = f.speed(prior_tokens_per_ms).tokens_per_ms;
-                slowest = Some(slowest.map_or(rate, |s| s.min(rate)));
-            }
-        });
-        slowest
-    }
-
-    /// The prior for an engine not yet timed: as slow as the slowest one timed, never faster than
-    /// `prior_tokens_per_ms`. Engines of one fleet are alike more often than not, and one assumed
-    /// too fast is sent a queue it cannot drain before its first byte can say so.
-    fn untimed_prior(&self, prior_tokens_per_ms: f64) -> f64 {
-        self.slowest_timed_rate(prior_tokens_per_ms).map_or(prior_tokens_per_ms, |r| r.min(prior_tokens_per_ms))
-    }
-
-    /// The fleet's prefill rate: every timed engine's samples in one fit, on the configured
-    /// `prior_tokens_per_ms` (none timed yet: that). Each engine's own fit leans on it while young:
-    /// an engine sees few prompts of very different lengths, which tell its rate, but the fleet
-    /// sees many, and engines of one model differ far less than the configured rate may err.
-    fn fleet_rate(&self, prior_tokens_per_ms: f64) -> f64 {
-        let mut pooled = SpeedFit::default();
-        self.each_fit(&mut |f| pooled = pooled.merged(&f));
-        pooled.speed(prior_tokens_per_ms).tokens_per_ms
+    /// The prior rates the fleet has shown, on the configured `prior_tokens_per_ms` (`fleet.rs`).
+    fn prior(&self, prior_tokens_per_ms: f64) -> Prior {
+        let mut engines = Vec::new();
+        self.each_fit(&mut |e| engines.push(e));
+        Prior::of_fleet(&engines, prior_tokens_per_ms)
     }
 
     fn inflight(&self, worker: &str) -> u64 {
@@ -329,6 +308,10 @@ impl Record {
         }
     }
 
+    pub(super) fn fit(&self, now_ms: u64) -> EngineFit {
+        EngineFit { fit: self.speed, unanswered: self.waiting.map(|w| w.at(now_ms)) }
+    }
+
     pub(super) fn local_load(&self, now_ms: u64) -> LocalLoad {
         LocalLoad {
             inflight: self.inflight,
@@ -390,9 +373,10 @@ impl InflightTable for MemoryInflight {
         self.records.lock().is_ok_and(|c| c.values().all(|(r, _)| r.inflight == 0))
     }
 
-    fn each_fit(&self, each: &mut dyn FnMut(SpeedFit)) {
+    fn each_fit(&self, each: &mut dyn FnMut(EngineFit)) {
+        let now = self.now_ms.load(Ordering::SeqCst);
         if let Ok(c) = self.records.lock() {
-            c.values().for_each(|(r, _)| each(r.speed));
+            c.values().for_each(|(r, _)| each(r.fit(now)));
         }
     }
 }
@@ -401,41 +385,6 @@ impl InflightTable for MemoryInflight {
 mod tests {
     use super::*;
     use crate::testing::test;
-
-    #[test]
-    fn an_engine_not_yet_timed_is_assumed_as_slow_as_the_slowest_timed_one() {
-        let table = MemoryInflight::default();
-        table.acquire("A", PrefillWork::NONE);
-        assert_eq!(table.untimed_prior(20.0), 20.0, "nothing timed: the configured prior");
-        for (worker, tokens_per_ms) in [("A", 10), ("B", 2), ("C", 5)] {
-            for tokens in [256, 2_048, 4_096] {
-                table.first_byte(worker, 0, Some(Sample { tokens, ms: tokens / tokens_per_ms }), 20.0);
-            }
-        }
-        let slowest = table.untimed_prior(20.0);
-        assert_eq!(Some(slowest), table.slowest_timed_rate(20.0));
-        assert_eq!(slowest, table.local_load("B").speed.speed(20.0).tokens_per_ms, "B is the slowest");
-        assert!(slowest < table.local_load("C").speed.speed(20.0).tokens_per_ms);
-        assert_eq!(table.untimed_prior(slowest / 2.0), slowest / 2.0, "never faster than the configured prior");
-    }
-
-    #[test]
-    fn an_engine_that_saw_one_prompt_length_leans_on_the_fleets_rate_not_the_configured_one() {
-        let table = MemoryInflight::default();
-        assert_eq!(table.fleet_rate(20.0), 20.0, "nothing timed: the configured rate");
-        // A prefills at 2 tokens/ms and was sent prompts of every length; B, as slow, only hits.
-        for tokens in [256, 2_048, 4_096, 1_024] {
-            table.first_byte("A", 0, Some(Sample { tokens, ms: 30 + tokens / 2 }), 20.0);
-        }
-        for _ in 0..4 {
-            table.first_byte("B", 0, Some(Sample { tokens: 150, ms: 30 + 75 }), 20.0);
-        }
-        let fleet = table.fleet_rate(20.0);
-        assert!((fleet - 2.0).abs() < 0.2, "{fleet}");
-        let b = table.local_load("B").speed;
-        assert!(b.speed(20.0).tokens_per_ms > 10.0, "on the configured rate B looks ten times as fast");
-        assert!((b.speed(fleet).tokens_per_ms - 2.0).abs() < 0.2, "{:?}", b.speed(fleet));
-    }
 
     #[test]
     fn guards_release_on_drop_and_never_go_below_zero() {

@@ -2,6 +2,7 @@
 //! engines' reports into a [`LoadTable`] and publishes it; policies read it through [`LoadView`],
 //! and count dispatches through [`InflightTable`].
 
+mod fleet;
 mod inflight;
 mod poller;
 mod reports;
@@ -11,6 +12,7 @@ mod speed;
 mod table;
 mod unanswered;
 
+pub use fleet::{EngineFit, Prior};
 pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork};
 pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};

@@ -19,6 +19,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::fleet::EngineFit;
 use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
 use super::speed::{Sample, SpeedFit};
 use super::unanswered::{Unanswered, Waiting};
@@ -426,9 +427,13 @@ impl InflightTable for SharedInflight {
         self.state.lock().is_ok_and(|s| s.active == 0)
     }
 
-    fn each_fit(&self, each: &mut dyn FnMut(SpeedFit)) {
+    fn each_fit(&self, each: &mut dyn FnMut(EngineFit)) {
+        let now = self.host.now_ms();
         if let Ok(state) = self.state.lock() {
-            state.own.iter().zip(&state.others).for_each(|(own, others)| each(own.speed.merged(&others.speed)));
+            state.own.iter().zip(&state.others).for_each(|(own, others)| {
+                let waiting = Waiting::older(own.waiting, others.waiting);
+                each(EngineFit { fit: own.speed.merged(&others.speed), unanswered: waiting.map(|w| w.at(now)) })
+            });
         }
     }
 
@@ -668,8 +673,7 @@ mod tests {
         vm2.sync();
         assert!((rate(&vm2) - 5.0).abs() < 0.25, "{}", rate(&vm2));
         assert_eq!(vm2.local_load("B").speed, SpeedFit::default(), "engines apart");
-        assert!((vm2.untimed_prior(20.0) - 5.0).abs() < 0.25, "B, untimed, is assumed as slow as A");
-        assert_eq!(vm2.untimed_prior(2.0), 2.0, "never faster than the configured prior");
+        assert!((vm2.prior(20.0).untimed - 5.0).abs() < 0.25, "B, untimed, is assumed as slow as A");
     }
 
     #[test]
