@@ -237,11 +237,31 @@ impl CacheAwarePolicy {
     /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds: its own
     /// wait for a first token, plus its prefill counted [`UNCACHED_WEIGHT`] times more.
     fn cost_ms(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> f64 {
+        self.cost_no_faster_than(snapshot, prior, w, uncached, f64::INFINITY)
+    }
+
+    /// [`Self::cost_ms`] of an engine whose speed, unless measured or timed, is assumed no faster
+    /// than `tokens_per_ms`.
+    fn cost_no_faster_than(
+        &self,
+        snapshot: &LoadSnapshot,
+        prior: Prior,
+        w: &Engine,
+        uncached: u64,
+        tokens_per_ms: f64,
+    ) -> f64 {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
         let prior = prior.of(&local);
+        let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
         let rate = prefill_rate(load, &local, prior);
         expected_wait_ms(load, &local, uncached, prior) + UNCACHED_WEIGHT * uncached as f64 / rate
+    }
+
+    /// How fast `w` prefills now, by what it reports or the router learned.
+    fn rate_now(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine) -> f64 {
+        let local = self.gate.inflight.local_load(&w.id);
+        prefill_rate(snapshot.get(&w.id), &local, prior.of(&local))
     }
 
     /// The switch margin as prefill time at the assumed rate.
@@ -463,10 +483,18 @@ impl CacheAwarePolicy {
             engines
         };
         let cold = self.fallback_engine(cold_pool, &snapshot, prior, input);
-        let limit_ms = cold.map(|w| self.cost_ms(&snapshot, prior, w, input) + self.margin_ms());
+        // Once the fleet has shown itself slower than the configured rate, an engine not yet
+        // timed is priced no faster than the holder: the holder that has waited longest looks
+        // slowest only because it has, and moving its sessions prefills their prompts twice. A
+        // holder late alone may be hung: then the others keep the configured rate.
+        let fleet_slow = prior.untimed < self.assumed_tokens_per_ms;
         usable.retain(|h| {
             let cost = || self.cost_ms(&snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens));
-            self.within_pressure_guard(&h.worker, engines, &snapshot) && limit_ms.is_none_or(|limit| cost() <= limit)
+            let limit = |w: &Engine| {
+                let cap = if fleet_slow { self.rate_now(&snapshot, prior, &h.worker) } else { f64::INFINITY };
+                self.cost_no_faster_than(&snapshot, prior, w, input, cap) + self.margin_ms()
+            };
+            self.within_pressure_guard(&h.worker, engines, &snapshot) && cold.is_none_or(|w| cost() <= limit(w))
         });
         if usable.is_empty() {
             return self.checked(cold, &snapshot, PickReason::PressureGuard).map(cached);
@@ -917,6 +945,33 @@ mod tests {
         learned(&s, "A", 2.0, 40);
         // At the configured 20 tokens/ms U's queue would look 150 ms long, A's own prefill 500 ms.
         assert_eq!(pick(&p, &["A", "U"], 1000).unwrap().engine.id, "A");
+    }
+
+    #[test]
+    fn a_holder_late_with_the_fleet_keeps_its_hit_from_an_engine_that_has_not_shown_its_speed() {
+        let s = State::new();
+        s.loads(&[("A", native_load(1, 0)), ("B", native_load(0, 0)), ("C", native_load(1, 0))]);
+        let p = policy(&s, Fixed::matches(&[("A", 900)]), tuned(|_| {}), AdmissionLimits::default());
+        s.inflight.set("B", 0);
+        // A was sent 2,000 tokens at 0 and 6,000 more since; C 2,000 at 2,000. Neither has answered
+        // by 3,050: the fleet is slower than the configured 20 tokens/ms, A seemingly slowest.
+        let cold = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
+        s.inflight.acquire("A", cold);
+        s.inflight.awaiting("A", Waiting { since_ms: 0, tokens: 2_000 });
+        s.inflight.acquire("A", PrefillWork { tokens: 6_000, ..cold });
+        s.inflight.set_now(2_000);
+        s.inflight.acquire("C", cold);
+        s.inflight.awaiting("C", Waiting { since_ms: 2_000, tokens: 2_000 });
+        s.inflight.set_now(3_050);
+        let prior = s.inflight.prior(20.0);
+        assert!(prior.untimed < 3.0, "{prior:?}");
+        let [a, b] = ["A", "B"].map(|w| workers(&[w]).remove(0));
+        let (input, snapshot) = (1_000, crate::state::load_monitor::LoadView::snapshot(s.load.as_ref()));
+        assert!(
+            p.cost_ms(&snapshot, prior, &b, input) + p.margin_ms() < p.cost_ms(&snapshot, prior, &a, input - 900),
+            "at the fleet's rate the idle B looks cheaper"
+        );
+        assert_eq!(pick(&p, &["A", "B", "C"], input).unwrap().engine.id, "A", "but B is no faster than A");
     }
 
     #[test]
