@@ -237,31 +237,25 @@ impl CacheAwarePolicy {
     /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds: its own
     /// wait for a first token, plus its prefill counted [`UNCACHED_WEIGHT`] times more.
     fn cost_ms(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> f64 {
-        self.cost_no_faster_than(snapshot, prior, w, uncached, f64::INFINITY)
+        self.priced(snapshot, prior, w, uncached, f64::INFINITY).0
     }
 
-    /// [`Self::cost_ms`] of an engine whose speed, unless measured or timed, is assumed no faster
-    /// than `tokens_per_ms`.
-    fn cost_no_faster_than(
+    /// [`Self::cost_ms`] and the prefill rate it was priced at, for an engine whose speed, unless
+    /// measured or timed, is assumed no faster than `tokens_per_ms`.
+    fn priced(
         &self,
         snapshot: &LoadSnapshot,
         prior: Prior,
         w: &Engine,
         uncached: u64,
         tokens_per_ms: f64,
-    ) -> f64 {
+    ) -> (f64, f64) {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
         let prior = prior.of(&local);
         let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
         let rate = prefill_rate(load, &local, prior);
-        expected_wait_ms(load, &local, uncached, prior) + UNCACHED_WEIGHT * uncached as f64 / rate
-    }
-
-    /// How fast `w` prefills now, by what it reports or the router learned.
-    fn rate_now(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine) -> f64 {
-        let local = self.gate.inflight.local_load(&w.id);
-        prefill_rate(snapshot.get(&w.id), &local, prior.of(&local))
+        (expected_wait_ms(load, &local, uncached, prior) + UNCACHED_WEIGHT * uncached as f64 / rate, rate)
     }
 
     /// The switch margin as prefill time at the assumed rate.
@@ -489,12 +483,13 @@ impl CacheAwarePolicy {
         // holder late alone may be hung: then the others keep the configured rate.
         let fleet_slow = prior.untimed < self.assumed_tokens_per_ms;
         usable.retain(|h| {
-            let cost = || self.cost_ms(&snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens));
-            let limit = |w: &Engine| {
-                let cap = if fleet_slow { self.rate_now(&snapshot, prior, &h.worker) } else { f64::INFINITY };
-                self.cost_no_faster_than(&snapshot, prior, w, input, cap) + self.margin_ms()
+            let stays = |w: &Engine| {
+                let uncached = input.saturating_sub(h.matched_tokens);
+                let (cost, rate) = self.priced(&snapshot, prior, &h.worker, uncached, f64::INFINITY);
+                let cap = if fleet_slow { rate } else { f64::INFINITY };
+                cost <= self.priced(&snapshot, prior, w, input, cap).0 + self.margin_ms()
             };
-            self.within_pressure_guard(&h.worker, engines, &snapshot) && cold.is_none_or(|w| cost() <= limit(w))
+            self.within_pressure_guard(&h.worker, engines, &snapshot) && cold.is_none_or(|w| stays(w))
         });
         if usable.is_empty() {
             return self.checked(cold, &snapshot, PickReason::PressureGuard).map(cached);
