@@ -29,6 +29,12 @@ const HUBER: f64 = 3.0;
 /// How fast the mean deviation follows new residuals.
 const SCALE_WEIGHT: f64 = 1.0 / 32.0;
 
+/// How much faster than its prior an engine may be, a priori: the prior slope's spread on that side,
+/// as a fraction of it. First bytes that do not grow with tokens (queued behind others, or all
+/// of one length) fit a line of any slope, and a fast rate makes a cold prefill there look free;
+/// so a faster rate is believed as far as the samples show it through their own scatter.
+const FASTER_SPREAD: f64 = 0.5;
+
 /// A learned rate stays within this factor of the prior either way: a fit from odd samples never
 /// makes an engine look idle or dead.
 const RATE_RANGE: f64 = 16.0;
@@ -113,8 +119,19 @@ impl SpeedFit {
         let (mean_x, mean_y) = (self.x / self.weight, self.y / self.weight);
         let spread = (self.xx - self.x * mean_x).max(0.0);
         let co = self.xy - self.x * mean_y;
+        let line = |ridge: f64| (co + ridge * slope0) / (spread + ridge);
         let ridge = PRIOR_WEIGHT * PRIOR_TOKENS * PRIOR_TOKENS;
-        let slope = ((co + ridge * slope0) / (spread + ridge)).clamp(slope0 / RATE_RANGE, slope0 * RATE_RANGE);
+        let slope = line(ridge);
+        // Faster than the prior: the prior's weight against samples as scattered as these
+        // (a Gaussian prior's, samples' variance over the prior's). Equal to the slope above
+        // where that meets the prior's, so the rate moves smoothly.
+        let slope = if slope < slope0 {
+            let scatter = self.deviation / (FASTER_SPREAD * slope0);
+            line(ridge.max(scatter * scatter))
+        } else {
+            slope
+        };
+        let slope = slope.clamp(slope0 / RATE_RANGE, slope0 * RATE_RANGE);
         let overhead = (mean_y - slope * mean_x).clamp(0.0, MAX_OVERHEAD_MS);
         if slope.is_finite() && overhead.is_finite() {
             Speed { tokens_per_ms: 1.0 / slope, overhead_ms: overhead }
@@ -322,6 +339,27 @@ mod tests {
         let speed = fit.speed(20.0);
         assert!(speed.first_byte_ms(150).round() == 30.0, "it fits what it saw: {speed:?}");
         assert!(speed.tokens_per_ms >= 20.0 / RATE_RANGE && speed.tokens_per_ms <= 20.0 * RATE_RANGE, "{speed:?}");
+    }
+
+    #[test]
+    fn first_bytes_that_do_not_grow_with_tokens_claim_no_rate_much_faster_than_the_prior() {
+        // Start-up: the longer prompts went first and the shorter ones queued behind them.
+        let mut fit = SpeedFit::default();
+        for (tokens, ms) in [(3_000, 700), (2_000, 720), (1_000, 760), (500, 800)] {
+            fit.observe(Sample { tokens, ms }, 20.0);
+        }
+        let speed = fit.speed(20.0);
+        assert!(speed.tokens_per_ms < 25.0, "{speed:?}");
+        assert!((speed.first_byte_ms(1_625) - 745.0).abs() < 30.0, "it still fits what it saw: {speed:?}");
+    }
+
+    #[test]
+    fn an_engine_faster_than_the_prior_is_learned_through_little_scatter() {
+        let mut fit = SpeedFit::default();
+        for s in engine_samples(60.0, 5.0, 300, 19) {
+            fit.observe(s, 20.0);
+        }
+        assert!(close(fit.speed(20.0).tokens_per_ms, 60.0, 0.1), "{:?}", fit.speed(20.0));
     }
 
     #[test]
