@@ -180,6 +180,20 @@ pub struct CacheAwarePolicy {
     assumed_tokens_per_ms: f64,
 }
 
+/// Tokens a request would prefill at an engine, and how many times over that prefill counts.
+#[derive(Debug, Clone, Copy)]
+struct Uncached {
+    tokens: u64,
+    weight: f64,
+}
+
+impl Uncached {
+    /// Against a cold prefill elsewhere: [`UNCACHED_WEIGHT`].
+    fn cold(tokens: u64) -> Self {
+        Self { tokens, weight: UNCACHED_WEIGHT }
+    }
+}
+
 /// One usable prefix holder.
 #[derive(Debug, Clone)]
 struct Holder {
@@ -191,7 +205,13 @@ struct Holder {
 /// queued behind it on that engine wait too, and a prefix prefilled again elsewhere takes cache
 /// space twice. Counted this many times over: the trade between hit rate and tail latency chosen on
 /// the tail bench (docs/benchmarks.md, "The tail").
-const UNCACHED_WEIGHT: f64 = 8.0;
+const UNCACHED_WEIGHT: f64 = 12.0;
+
+/// Between holders of one prefix, what only the longer match holds (a session's own turns) counts
+/// this many times over: the shorter holder shares the prefix's sessions and so its load, and on
+/// the tail bench switching a session's turns for its queue cost hits and bought no tail
+/// (docs/results/history.md, "Weights").
+const SWITCH_WEIGHT: f64 = 32.0;
 
 /// Waits up to this are treated as none, and longer ones as equal within [`WAIT_RATIO`], so request
 /// counts and then the spreading of new prefixes decide between engines that are about as idle —
@@ -234,20 +254,16 @@ impl CacheAwarePolicy {
         Self { config, source, gate, random, bytes_per_token: bytes_per_token.max(1), assumed_tokens_per_ms }
     }
 
-    /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds: its own
-    /// wait for a first token, plus its prefill counted [`UNCACHED_WEIGHT`] times more.
-    fn cost_ms(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> f64 {
-        self.priced(snapshot, prior, w, uncached, f64::INFINITY).0
-    }
-
-    /// [`Self::cost_ms`] and the prefill rate it was priced at, for an engine whose speed, unless
-    /// measured or timed, is assumed no faster than `tokens_per_ms`.
+    /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds — its own
+    /// wait for a first token, plus its prefill counted `uncached.weight` times more — and the
+    /// prefill rate it was priced at, for an engine whose speed, unless measured or timed, is
+    /// assumed no faster than `tokens_per_ms`.
     fn priced(
         &self,
         snapshot: &LoadSnapshot,
         prior: Prior,
         w: &Engine,
-        uncached: u64,
+        uncached: Uncached,
         tokens_per_ms: f64,
     ) -> (f64, f64) {
         let load = snapshot.get(&w.id);
@@ -255,7 +271,8 @@ impl CacheAwarePolicy {
         let prior = prior.of(&local);
         let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
         let rate = prefill_rate(load, &local, prior);
-        (expected_wait_ms(load, &local, uncached, prior) + UNCACHED_WEIGHT * uncached as f64 / rate, rate)
+        let wait_ms = expected_wait_ms(load, &local, uncached.tokens, prior);
+        (wait_ms + uncached.weight * uncached.tokens as f64 / rate, rate)
     }
 
     /// The switch margin as prefill time at the assumed rate.
@@ -344,9 +361,13 @@ impl CacheAwarePolicy {
 
     /// Step 5: start from the longest match; a shorter one wins only when it saves more than the
     /// switch margin of uncached work: the prompt's unmatched part, the engine's own prefill queue
-    /// and its queue for a slot, all as time ([`Self::cost_ms`]).
+    /// and its queue for a slot, all as time ([`Self::priced`], the unmatched part counted
+    /// [`SWITCH_WEIGHT`] times).
     fn preferred_order(&self, holders: Vec<Holder>, input: u64, snapshot: &LoadSnapshot, prior: Prior) -> Vec<Holder> {
-        let work = |h: &Holder| self.cost_ms(snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens));
+        let work = |h: &Holder| {
+            let uncached = Uncached { tokens: input.saturating_sub(h.matched_tokens), weight: SWITCH_WEIGHT };
+            self.priced(snapshot, prior, &h.worker, uncached, f64::INFINITY).0
+        };
         if holders.is_empty() {
             return holders;
         }
@@ -485,9 +506,9 @@ impl CacheAwarePolicy {
         usable.retain(|h| {
             let stays = |w: &Engine| {
                 let uncached = input.saturating_sub(h.matched_tokens);
-                let (cost, rate) = self.priced(&snapshot, prior, &h.worker, uncached, f64::INFINITY);
+                let (cost, rate) = self.priced(&snapshot, prior, &h.worker, Uncached::cold(uncached), f64::INFINITY);
                 let cap = if fleet_slow { rate } else { f64::INFINITY };
-                cost <= self.priced(&snapshot, prior, w, input, cap).0 + self.margin_ms()
+                cost <= self.priced(&snapshot, prior, w, Uncached::cold(input), cap).0 + self.margin_ms()
             };
             self.within_pressure_guard(&h.worker, engines, &snapshot) && cold.is_none_or(|w| stays(w))
         });
@@ -783,27 +804,23 @@ mod tests {
     fn a_shorter_match_wins_only_beyond_the_switch_margin() {
         let s = State::new();
         let mut busy = native_load(0, 0);
-        busy.waiting_uncached_tokens = Some(5000);
+        busy.waiting_uncached_tokens = Some(3_000);
+        s.loads(&[("B", busy.clone()), ("C", native_load(0, 0))]);
+        let holders = || Fixed::matches(&[("B", 900), ("C", 800)]);
+        let p = policy(&s, holders(), tuned(|c| c.min_candidates = 2), AdmissionLimits::default());
+        // At 20 tokens/ms, what only the longer match holds weighed 33×: B waits (3,000 + 100) / 20
+        // = 155 ms and costs 160 ms more; C waits 10 ms and costs 320 ms more.
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "B", "a session keeps its turns");
+        busy.waiting_uncached_tokens = Some(5_000);
         s.loads(&[("B", busy), ("C", native_load(0, 0))]);
-        // At 20 tokens/ms, uncached tokens weighed 9×: B waits (5000 + 100) / 20 = 255 ms and costs
-        // 40 ms more; C waits 25 ms and costs 200 ms more. C saves 70 ms, 1,400 tokens' worth.
-        let p = policy(
-            &s,
-            Fixed::matches(&[("B", 900), ("C", 500)]),
-            tuned(|c| c.min_candidates = 2),
-            AdmissionLimits::default(),
-        );
+        // B now waits 255 ms: C saves 85 ms, 1,700 tokens' worth.
         assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "C");
-        let p = policy(
-            &s,
-            Fixed::matches(&[("B", 900), ("C", 500)]),
-            tuned(|c| {
-                c.min_candidates = 2;
-                c.switch_margin_tokens = 1600;
-            }),
-            AdmissionLimits::default(),
-        );
-        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "B", "1,400 saved is not more than the margin");
+        let with_margin = tuned(|c| {
+            c.min_candidates = 2;
+            c.switch_margin_tokens = 2_000;
+        });
+        let p = policy(&s, holders(), with_margin, AdmissionLimits::default());
+        assert_eq!(pick(&p, &["A", "B", "C"], 1000).unwrap().engine.id, "B", "1,700 saved is not more than the margin");
     }
 
     #[test]
@@ -860,12 +877,12 @@ mod tests {
         s.inflight.set_now(0);
         s.loads(&[(idle.0.as_str(), idle.1.clone()), (queued.0.as_str(), queued.1)]);
         let p = policy(&s, Fixed::matches(&[("B", 900)]), tuned(|_| {}), AdmissionLimits::default());
-        // B: 4 ahead × 200 ms = 800 ms; A: 1,000 tokens at 20/ms = 50 ms, weighed 9× = 450 ms.
+        // B: 4 ahead × 200 ms = 800 ms; A: 1,000 tokens at 20/ms = 50 ms, weighed 13× = 650 ms.
         let r = pick(&p, &["A", "B"], 1000).unwrap();
         assert_eq!((r.engine.id.as_str(), r.reason), ("A", PickReason::PressureGuard));
         let shorter = slotted(&s, "B", 4, 1, 4, 800);
         s.loads(&[(idle.0.as_str(), idle.1), (shorter.0.as_str(), shorter.1)]);
-        // B: 2 ahead = 400 ms plus 100 tokens weighed 9× = 45 ms: still under 450 ms.
+        // B: 2 ahead = 400 ms plus 100 tokens weighed 13× = 65 ms: still under 650 ms.
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B", "a shorter queue keeps the hit");
     }
 
@@ -962,8 +979,9 @@ mod tests {
         assert!(prior.untimed < 3.0, "{prior:?}");
         let [a, b] = ["A", "B"].map(|w| workers(&[w]).remove(0));
         let (input, snapshot) = (1_000, crate::state::load_monitor::LoadView::snapshot(s.load.as_ref()));
+        let cost = |w: &Engine, tokens| p.priced(&snapshot, prior, w, Uncached::cold(tokens), f64::INFINITY).0;
         assert!(
-            p.cost_ms(&snapshot, prior, &b, input) + p.margin_ms() < p.cost_ms(&snapshot, prior, &a, input - 900),
+            cost(&b, input) + p.margin_ms() < cost(&a, input - 900),
             "at the fleet's rate the idle B looks cheaper"
         );
         assert_eq!(pick(&p, &["A", "B", "C"], input).unwrap().engine.id, "A", "but B is no faster than A");
