@@ -208,9 +208,8 @@ struct Holder {
 const UNCACHED_WEIGHT: f64 = 12.0;
 
 /// Between holders of one prefix, what only the longer match holds (a session's own turns) counts
-/// this many times over: the shorter holder shares the prefix's sessions and so its load, and on
-/// the tail bench switching a session's turns for its queue cost hits and bought no tail
-/// (docs/results/history.md, "Weights").
+/// this many times over: on the tail bench, switching a session's turns to another holder for its
+/// shorter queue cost hits and bought no tail (docs/results/history.md, "Weights").
 const SWITCH_WEIGHT: f64 = 32.0;
 
 /// Waits up to this are treated as none, and longer ones as equal within [`WAIT_RATIO`], so request
