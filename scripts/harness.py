@@ -128,9 +128,11 @@ def bin_(name):
     return str(TARGET / "release" / name)
 
 
-def sims(n, base_args):
+def sims(n, base_args, trace=None):
+    """`n` sgl-sim engines; `trace` a directory for each engine's per-request trace."""
     ports = [free_port() for _ in range(n)]
-    procs = [start(f"sim{i}", [bin_("sgl-sim"), "--id", f"E{i:02d}", "--port", str(p), *base_args]) for i, p in enumerate(ports)]
+    extra = lambda i: ["--trace", str(trace / f"E{i:02d}.jsonl")] if trace else []
+    procs = [start(f"sim{i}", [bin_("sgl-sim"), "--id", f"E{i:02d}", "--port", str(p), *base_args, *extra(i)]) for i, p in enumerate(ports)]
     for p in ports:
         wait_http(f"http://127.0.0.1:{p}/health")
     return ports, procs

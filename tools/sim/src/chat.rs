@@ -18,6 +18,7 @@ use crate::control;
 use crate::engine::{Engine, RequestRecord, Role, BYTES_PER_TOKEN};
 use crate::kv;
 use crate::pd;
+use crate::trace;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -182,6 +183,7 @@ async fn serve(
     dp_rank: u32,
     registered: Registered,
 ) -> Response {
+    let arrived = std::time::Instant::now();
     let fault = engine.control().chat.clone();
     if let Some(r) = control::apply(fault, "chat").await {
         return r;
@@ -232,6 +234,7 @@ async fn serve(
     let Some(mut slot) = engine.admit(prompt, dp_rank).await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
+    let slotted = std::time::Instant::now();
     // A batch (several prompts) is answered per prompt, each `n` times.
     let prompts = raw.map_or(1, |r| match r {
         Value::Array(items) if matches!(items.first(), Some(Value::String(_) | Value::Array(_))) => items.len() as u64,
@@ -254,8 +257,11 @@ async fn serve(
     let uncached = (prompt_ids.len() as u64).saturating_sub(cached);
     {
         let _prefill = engine.prefill_lock.lock().await;
+        let laned = std::time::Instant::now();
         let busy = engine.prefill_time(uncached);
         tokio::time::sleep(busy).await;
+        let marks = trace::Marks { arrived, slotted, laned, prefilled: std::time::Instant::now() };
+        engine.trace.write(&engine.id, received_ms, marks, prompt_ids.len() as u64, cached, prompt_ids.get(3).copied());
         engine.prefill_tokens_total.fetch_add(uncached, Ordering::SeqCst);
         engine
             .prefill_busy_us_total

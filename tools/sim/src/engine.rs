@@ -116,6 +116,9 @@ pub struct Args {
     /// The Python that runs SGLang's publisher (it needs msgspec, pyzmq and pydantic).
     #[arg(long, default_value = "python3")]
     pub python: String,
+    /// Appends one JSON line per request: where its time to first token went (`trace.rs`).
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Bytes per simulated token, as the router's default estimator counts.
@@ -176,6 +179,7 @@ pub struct Engine {
     fault_rng: AtomicU64,
     /// Requests that can be aborted by id, and the ids aborts named.
     pub aborts: crate::abort::Aborts,
+    pub trace: crate::trace::Trace,
 }
 
 impl Engine {
@@ -217,6 +221,7 @@ impl Engine {
             prefill_lock: tokio::sync::Mutex::new(()),
             chat_requests: AtomicU64::new(0),
             aborts: crate::abort::Aborts::default(),
+            trace: crate::trace::Trace::default(),
             fault_rng: AtomicU64::new(u64::from(args.port).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
             args,
         }

@@ -11,6 +11,7 @@ mod info;
 mod kv;
 mod loads;
 mod pd;
+mod trace;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +28,13 @@ use crate::engine::{Args, Engine};
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
     let mut engine = Engine::new(&args);
+    engine.trace = match trace::Trace::open(args.trace.as_deref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("sgl-sim: --trace: {e}");
+            std::process::exit(2);
+        }
+    };
     if let Some(tokenizer) = &args.tokenizer {
         let template = args.chat_template.clone().unwrap_or_else(|| tokenizer.with_file_name("tokenizer_config.json"));
         match sgl_indexer::tokenize::ModelTokenizer::load(tokenizer, &template) {
