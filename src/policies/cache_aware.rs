@@ -180,25 +180,29 @@ pub struct CacheAwarePolicy {
     assumed_tokens_per_ms: f64,
 }
 
-/// Tokens a request would prefill at an engine, and how many times over that prefill counts.
+/// What a request would cost at one engine, read once per pick: its own wait for a first token
+/// ([`expected_wait_ms`]), the tokens it would prefill there and the rate they were priced at.
 #[derive(Debug, Clone, Copy)]
-struct Uncached {
-    tokens: u64,
-    weight: f64,
+struct Price {
+    wait_ms: f64,
+    rate: f64,
+    uncached: u64,
+    local: LocalLoad,
 }
 
-impl Uncached {
-    /// Against a cold prefill elsewhere: [`UNCACHED_WEIGHT`].
-    fn cold(tokens: u64) -> Self {
-        Self { tokens, weight: UNCACHED_WEIGHT }
+impl Price {
+    /// The wait plus the request's prefill counted `weight` times more.
+    fn cost_ms(&self, weight: f64) -> f64 {
+        self.wait_ms + weight * self.uncached as f64 / self.rate
     }
 }
 
-/// One usable prefix holder.
+/// One usable prefix holder, priced for the rest of its prompt.
 #[derive(Debug, Clone)]
 struct Holder {
     worker: Arc<Engine>,
     matched_tokens: u64,
+    price: Price,
 }
 
 /// Prefill the router causes costs more than the wait of the request that brings it: the requests
@@ -253,25 +257,16 @@ impl CacheAwarePolicy {
         Self { config, source, gate, random, bytes_per_token: bytes_per_token.max(1), assumed_tokens_per_ms }
     }
 
-    /// What sending a request bringing `uncached` tokens to `w` costs, in milliseconds — its own
-    /// wait for a first token, plus its prefill counted `uncached.weight` times more — and the
-    /// prefill rate it was priced at, for an engine whose speed, unless measured or timed, is
-    /// assumed no faster than `tokens_per_ms`.
-    fn priced(
-        &self,
-        snapshot: &LoadSnapshot,
-        prior: Prior,
-        w: &Engine,
-        uncached: Uncached,
-        tokens_per_ms: f64,
-    ) -> (f64, f64) {
+    /// What sending a request bringing `uncached` tokens to `w` costs, for an engine whose speed,
+    /// unless measured or timed, is assumed no faster than `tokens_per_ms`.
+    fn priced(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64, tokens_per_ms: f64) -> Price {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
         let prior = prior.of(&local);
         let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
         let rate = prefill_rate(load, &local, prior);
-        let wait_ms = expected_wait_ms(load, &local, uncached.tokens, prior);
-        (wait_ms + uncached.weight * uncached.tokens as f64 / rate, rate)
+        let wait_ms = expected_wait_ms(load, &local, uncached, prior);
+        Price { wait_ms, rate, uncached, local }
     }
 
     /// The switch margin as prefill time at the assumed rate.
@@ -282,10 +277,11 @@ impl CacheAwarePolicy {
     /// Where a request bringing `uncached` tokens waits least: on engines of one speed the same
     /// order as by their queues alone; a slower engine is asked for less of the prefill.
     fn key(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> (u64, u64, u64, u64, String) {
-        let local = self.gate.inflight.local_load(&w.id);
-        let load = snapshot.get(&w.id);
-        let wait_ms = expected_wait_ms(load, &local, uncached, prior.of(&local));
-        load_key(w, load, local, wait_ms)
+        Self::priced_key(snapshot, w, &self.priced(snapshot, prior, w, uncached, f64::INFINITY))
+    }
+
+    fn priced_key(snapshot: &LoadSnapshot, w: &Engine, price: &Price) -> (u64, u64, u64, u64, String) {
+        load_key(w, snapshot.get(&w.id), price.local, price.wait_ms)
     }
 
     /// The rates assumed of engines not yet timed, for one pick.
@@ -324,15 +320,15 @@ impl CacheAwarePolicy {
                     .config
                     .min_hit_ratio
                     .is_none_or(|r| compared > 0 && matched_tokens as f64 / compared as f64 >= r);
-                (matched_tokens >= self.config.min_hit_tokens && matched_tokens > 0 && ratio_ok)
-                    .then(|| Holder { worker: Arc::clone(worker), matched_tokens })
+                (matched_tokens >= self.config.min_hit_tokens && matched_tokens > 0 && ratio_ok).then(|| {
+                    let price =
+                        self.priced(snapshot, prior, worker, input.saturating_sub(matched_tokens), f64::INFINITY);
+                    Holder { worker: Arc::clone(worker), matched_tokens, price }
+                })
             })
             .collect();
         holders.sort_by_cached_key(|h| {
-            (
-                std::cmp::Reverse(h.matched_tokens),
-                self.key(snapshot, prior, &h.worker, input.saturating_sub(h.matched_tokens)),
-            )
+            (std::cmp::Reverse(h.matched_tokens), Self::priced_key(snapshot, &h.worker, &h.price))
         });
         let by_ratio = self.config.candidate_ratio.map_or(0, |r| (r * engines.len() as f64).ceil() as usize);
         let mut bound = self.config.min_candidates.max(by_ratio);
@@ -360,17 +356,13 @@ impl CacheAwarePolicy {
 
     /// Step 5: start from the longest match; a shorter one wins only when it saves more than the
     /// switch margin of uncached work: the prompt's unmatched part, the engine's own prefill queue
-    /// and its queue for a slot, all as time ([`Self::priced`], the unmatched part counted
+    /// and its queue for a slot, all as time ([`Price`], the unmatched part counted
     /// [`SWITCH_WEIGHT`] times).
-    fn preferred_order(&self, holders: Vec<Holder>, input: u64, snapshot: &LoadSnapshot, prior: Prior) -> Vec<Holder> {
-        let work = |h: &Holder| {
-            let uncached = Uncached { tokens: input.saturating_sub(h.matched_tokens), weight: SWITCH_WEIGHT };
-            self.priced(snapshot, prior, &h.worker, uncached, f64::INFINITY).0
-        };
+    fn preferred_order(&self, holders: Vec<Holder>) -> Vec<Holder> {
         if holders.is_empty() {
             return holders;
         }
-        let waits: Vec<f64> = holders.iter().map(work).collect();
+        let waits: Vec<f64> = holders.iter().map(|h| h.price.cost_ms(SWITCH_WEIGHT)).collect();
         let mut best = 0;
         for (i, wait) in waits.iter().enumerate().skip(1) {
             if wait + self.margin_ms() < waits[best] {
@@ -504,10 +496,9 @@ impl CacheAwarePolicy {
         let fleet_slow = prior.untimed < self.assumed_tokens_per_ms;
         usable.retain(|h| {
             let stays = |w: &Engine| {
-                let uncached = input.saturating_sub(h.matched_tokens);
-                let (cost, rate) = self.priced(&snapshot, prior, &h.worker, Uncached::cold(uncached), f64::INFINITY);
-                let cap = if fleet_slow { rate } else { f64::INFINITY };
-                cost <= self.priced(&snapshot, prior, w, Uncached::cold(input), cap).0 + self.margin_ms()
+                let cap = if fleet_slow { h.price.rate } else { f64::INFINITY };
+                let elsewhere = self.priced(&snapshot, prior, w, input, cap);
+                h.price.cost_ms(UNCACHED_WEIGHT) <= elsewhere.cost_ms(UNCACHED_WEIGHT) + self.margin_ms()
             };
             self.within_pressure_guard(&h.worker, engines, &snapshot) && cold.is_none_or(|w| stays(w))
         });
@@ -515,7 +506,7 @@ impl CacheAwarePolicy {
             return self.checked(cold, &snapshot, PickReason::PressureGuard).map(cached);
         }
         // Hard rejection of every bounded holder never turns into a cold fallback.
-        let ordered = self.preferred_order(usable, request.input_tokens, &snapshot, prior);
+        let ordered = self.preferred_order(usable);
         self.gate.first_admitted(ordered.iter().map(|h| &h.worker), &snapshot, reason).map(cached)
     }
 }
@@ -978,7 +969,7 @@ mod tests {
         assert!(prior.untimed < 3.0, "{prior:?}");
         let [a, b] = ["A", "B"].map(|w| workers(&[w]).remove(0));
         let (input, snapshot) = (1_000, crate::state::load_monitor::LoadView::snapshot(s.load.as_ref()));
-        let cost = |w: &Engine, tokens| p.priced(&snapshot, prior, w, Uncached::cold(tokens), f64::INFINITY).0;
+        let cost = |w: &Engine, tokens| p.priced(&snapshot, prior, w, tokens, f64::INFINITY).cost_ms(UNCACHED_WEIGHT);
         assert!(
             cost(&b, input) + p.margin_ms() < cost(&a, input - 900),
             "at the fleet's rate the idle B looks cheaper"
