@@ -255,18 +255,19 @@ async fn serve(
         served.cached_tokens
     };
     let uncached = (prompt_ids.len() as u64).saturating_sub(cached);
-    {
+    let marks = {
         let _prefill = engine.prefill_lock.lock().await;
         let laned = std::time::Instant::now();
         let busy = engine.prefill_time(uncached);
         tokio::time::sleep(busy).await;
-        let marks = trace::Marks { arrived, slotted, laned, prefilled: std::time::Instant::now() };
-        engine.trace.write(&engine.id, received_ms, marks, prompt_ids.len() as u64, cached, prompt_ids.get(3).copied());
         engine.prefill_tokens_total.fetch_add(uncached, Ordering::SeqCst);
         engine
             .prefill_busy_us_total
             .fetch_add(u64::try_from(busy.as_micros()).unwrap_or(u64::MAX).max(1), Ordering::SeqCst);
-    }
+        trace::Marks { arrived, slotted, laned, prefilled: std::time::Instant::now() }
+    };
+    // Written once the prefill lane is free: the file's I/O must not delay the next prefill.
+    engine.trace.write(&engine.id, received_ms, marks, prompt_ids.len() as u64, cached, prompt_ids.get(3).copied());
     let tokens = if engine.role == Role::Prefill {
         for room in &rooms {
             engine.rooms.finish(*room);
