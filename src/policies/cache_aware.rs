@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use super::admission::AdmissionGate;
-use super::pressure::{expected_wait_ms, prefill_rate, PREFILL_QUANTUM_TOKENS};
+use super::pressure::{wait_and_rate, PREFILL_QUANTUM_TOKENS};
 use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
 use crate::config::CacheAwareConfig;
 use crate::host::{Host, HostError};
@@ -181,7 +181,7 @@ pub struct CacheAwarePolicy {
 }
 
 /// What a request would cost at one engine, read once per pick: its own wait for a first token
-/// ([`expected_wait_ms`]), the tokens it would prefill there and the rate they were priced at.
+/// ([`expected_wait_ms`](super::pressure::expected_wait_ms)), the tokens it would prefill there and the rate they were priced at.
 #[derive(Debug, Clone, Copy)]
 struct Price {
     wait_ms: f64,
@@ -229,7 +229,7 @@ fn wait_class(wait_ms: f64) -> u64 {
 }
 
 /// A total order for load, never a pairwise comparator: the class of the expected wait for a first
-/// token (turn for a slot, then the prefill queue and the request's own: [`expected_wait_ms`]),
+/// token (turn for a slot, then the prefill queue and the request's own: [`expected_wait_ms`](super::pressure::expected_wait_ms)),
 /// then reported running +
 /// waiting (router-local in-flight without a fresh report), then the uncached tokens the engine
 /// was ever sent — among engines equally idle a new prefix goes where the least distinct content
@@ -264,8 +264,7 @@ impl CacheAwarePolicy {
         let local = self.gate.inflight.local_load(&w.id);
         let prior = prior.of(&local);
         let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
-        let rate = prefill_rate(load, &local, prior);
-        let wait_ms = expected_wait_ms(load, &local, uncached, prior);
+        let (wait_ms, rate) = wait_and_rate(load, &local, uncached, prior);
         Price { wait_ms, rate, uncached, local }
     }
 

@@ -4,7 +4,7 @@
 use std::cmp::Ordering;
 
 use crate::registry::Role;
-use crate::state::load_monitor::{EngineLoad, LocalLoad};
+use crate::state::load_monitor::{EngineLoad, LocalLoad, Speed};
 
 /// Prefill work under this many tokens takes an engine a few milliseconds: compared as none, so
 /// request counts decide between engines that are not prefilling.
@@ -19,9 +19,13 @@ pub fn pending_prefill(load: Option<&EngineLoad>, local: &LocalLoad) -> u64 {
 /// An engine's prefill rate in tokens per millisecond: measured from its counters, else as the
 /// router learned it from the engine's first bytes, on the configured `prior_tokens_per_ms`.
 pub fn prefill_rate(load: Option<&EngineLoad>, local: &LocalLoad, prior_tokens_per_ms: f64) -> f64 {
+    measured_or(load, || local.speed_now(prior_tokens_per_ms))
+}
+
+fn measured_or(load: Option<&EngineLoad>, learned: impl FnOnce() -> Speed) -> f64 {
     load.and_then(|l| l.prefill_tokens_per_ms)
         .filter(|r| *r > 0.0)
-        .unwrap_or_else(|| local.speed_now(prior_tokens_per_ms).tokens_per_ms)
+        .unwrap_or_else(|| learned().tokens_per_ms)
         .max(f64::MIN_POSITIVE)
 }
 
@@ -31,10 +35,21 @@ pub fn prefill_rate(load: Option<&EngineLoad>, local: &LocalLoad, prior_tokens_p
 /// at the engine's prefill rate ([`prefill_rate`]), and the engine's learned time to a first byte
 /// with nothing to prefill. Unknown parts count as none.
 pub fn expected_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad, uncached: u64, prior_tokens_per_ms: f64) -> f64 {
-    let overhead = local.speed_now(prior_tokens_per_ms).overhead_ms;
-    let prefill = overhead
-        + pending_prefill(load, local).saturating_add(uncached) as f64 / prefill_rate(load, local, prior_tokens_per_ms);
-    slot_wait_ms(load, local) + prefill
+    wait_and_rate(load, local, uncached, prior_tokens_per_ms).0
+}
+
+/// [`expected_wait_ms`] and the prefill rate it was priced at ([`prefill_rate`]), from one reading
+/// of the engine's learned speed.
+pub fn wait_and_rate(
+    load: Option<&EngineLoad>,
+    local: &LocalLoad,
+    uncached: u64,
+    prior_tokens_per_ms: f64,
+) -> (f64, f64) {
+    let speed = local.speed_now(prior_tokens_per_ms);
+    let rate = measured_or(load, || speed);
+    let prefill = speed.overhead_ms + pending_prefill(load, local).saturating_add(uncached) as f64 / rate;
+    (slot_wait_ms(load, local) + prefill, rate)
 }
 
 /// How long a new request would wait for a running slot at an engine, in milliseconds: the
