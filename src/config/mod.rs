@@ -458,12 +458,13 @@ mod tests {
         let mut v = minimal();
         v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] = json!({
             "type": "cache_aware", "min_candidates": 4, "max_candidates": 2, "saturation_floor": 0.5,
-            "pressure_guard": {}
+            "pressure_guard": {}, "source": "remote", "hold_for_prefix": true
         });
+        v["prefix_index"] = json!({"url": "http://10.0.0.9:9100"});
         let errors = from_value(v).unwrap_err().0;
         let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
         let policy = "models.m.buckets[0].groups.plain.policy";
-        for field in ["min_candidates", "saturation_floor", "pressure_guard"] {
+        for field in ["min_candidates", "saturation_floor", "pressure_guard", "hold_for_prefix"] {
             assert!(paths.contains(&format!("{policy}.{field}").as_str()), "{field}: {paths:?}");
         }
     }

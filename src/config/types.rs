@@ -606,6 +606,13 @@ pub struct CacheAwareConfig {
     /// Budget of the prefix index, in tokens, per model.
     #[serde(default = "defaults::max_tree_tokens")]
     pub max_tree_tokens: u64,
+    /// A request whose cached prefix the router sent its engine behind work still unanswered there
+    /// waits at the router (at most 1 s) until the engine has answered that work. For engines that
+    /// admit every waiting request into one prefill batch and match their cache when they schedule
+    /// (SGLang's `fcfs`): a request batched with the one that brings its prefix prefills it again.
+    /// An engine that prefills one request at a time loses the request its place instead.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hold_for_prefix: bool,
 }
 
 impl Default for CacheAwareConfig {
@@ -623,6 +630,7 @@ impl Default for CacheAwareConfig {
             worker_queue_limit: None,
             saturation_floor: None,
             min_load_choices: defaults::min_load_choices(),
+            hold_for_prefix: false,
             max_tree_tokens: defaults::max_tree_tokens(),
         }
     }

@@ -382,6 +382,12 @@ impl GroupCheck<'_, '_> {
                 self.errors.push(ConfigError::new(format!("{path}.min_load_choices"), "must be at least 1"));
             }
             positive(self.errors, &format!("{path}.max_tree_tokens"), c.max_tree_tokens);
+            if c.hold_for_prefix && c.source == CacheSourceKind::Remote {
+                self.errors.push(ConfigError::new(
+                    format!("{path}.hold_for_prefix"),
+                    "holds on when the router itself sent a prefix: only with `source: local`",
+                ));
+            }
             if c.source == CacheSourceKind::Remote && self.config.prefix_index.is_none() {
                 self.errors.push(ConfigError::new(
                     format!("{path}.source"),

@@ -3,6 +3,7 @@
 //! decision), which a request's life calls; and the hooks that tell shared state what was
 //! dispatched and how it went.
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -45,6 +46,8 @@ pub struct AppContext {
     generate_model: Option<String>,
     /// This VM's requests waiting for room (spec §9).
     waiting: WaitingRoom,
+    /// How many of this VM's requests wait for their prefix's first dispatch.
+    held: Cell<usize>,
 }
 
 impl AppContext {
@@ -83,6 +86,7 @@ impl AppContext {
         let generate_model = config.generate_model().map(str::to_string);
         Self {
             waiting: WaitingRoom::new(Arc::clone(&handles.host), handles.vm),
+            held: Cell::new(0),
             generate_model,
             indexer,
             headers: Arc::new(ProtectedHeaders::new(upstream.name())),
@@ -108,6 +112,11 @@ impl AppContext {
 
     pub fn waiting(&self) -> &WaitingRoom {
         &self.waiting
+    }
+
+    /// How many of this VM's requests wait for their prefix's first dispatch.
+    pub fn held(&self) -> &Cell<usize> {
+        &self.held
     }
 
     /// Milliseconds of wall-clock time, as every VM reads it.
@@ -276,7 +285,7 @@ impl AppContext {
         // Kept only where it may be rewritten: the id goes in, or a PD or rank pick rewrites it.
         let rewrites = rid.as_ref().is_some_and(|r| r.injected) || self.rewriting_models.contains(&facts.model);
         let body = rewrites.then_some(body);
-        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call })
+        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call, may_hold: true })
     }
 
     /// Selects engines for a prepared request and makes its decision.
@@ -289,6 +298,7 @@ impl AppContext {
             prefill_timeout_ms: self.config.pd.prefill_timeout_ms,
             indexer: self.indexer.as_deref(),
             load: self.handles.load.as_ref(),
+            now_ms: self.now_ms(),
         };
         generation::decide(ticket, &wiring)
     }

@@ -14,6 +14,8 @@
 //!                                                  every engine full │ ▲
 //!                                       (queue configured) Queued ◀──┤ └── its turn (spec §9);
 //!                                   (full, wait over: 429) ◀─┘       │     wait over: 429
+//!             (its engine has not started on its prefix) Holding ◀──┤
+//!                                   └── every tick, at most 1 s: decided again
 //!                                                                    │
 //!                                          plain ◀──────────────────┤
 //!                                            │          PD: Dispatching prefill ──failed──▶ Answered
@@ -45,7 +47,9 @@ use crate::host::CalloutRequest;
 use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::Role;
 use crate::state::load_monitor::InflightGuard;
-use crate::wiring::counters::{queue_wait_ms, Bumps, Counter, IndexerEvent, INDEXER_WAIT_US, SELECTION_US};
+use crate::wiring::counters::{
+    queue_wait_ms, Bumps, Counter, IndexerEvent, INDEXER_WAIT_US, PREFIX_HOLD_MS, SELECTION_US,
+};
 
 /// What the glue does for the core, in order.
 #[derive(Debug, PartialEq)]
@@ -85,6 +89,9 @@ pub enum Action {
     /// The request waits in the queue: the glue wakes it with [`RequestLife::on_turn`] when the
     /// VM's waiting room names it.
     Wait,
+    /// The request waits at the router for its prefix: the glue wakes it with
+    /// [`RequestLife::on_turn`] every tick while [`RequestLife::holding`].
+    Hold,
 }
 
 /// The actions of one hook.
@@ -132,6 +139,20 @@ struct Queued {
     since_ms: u64,
 }
 
+/// A request waiting for its engine to start on the dispatch that sent it its prefix.
+#[derive(Debug)]
+struct Holding {
+    held: Held,
+    ticket: Ticket,
+}
+
+/// The longest a request waits for its prefix's first dispatch before it goes regardless (an
+/// engine that never answers it holds nothing back for longer).
+pub const MAX_HOLD_MS: u64 = 1_000;
+
+/// The most requests one VM holds for their prefixes; past it, requests go at once.
+pub const MAX_HELD: usize = 1_024;
+
 /// A decision whose prefill callout is being dispatched.
 #[derive(Debug)]
 struct Dispatching {
@@ -166,6 +187,7 @@ enum State {
     Buffering(Held),
     AwaitingIndexer(Box<Awaiting>),
     Queued(Box<Queued>),
+    Holding(Box<Holding>),
     DispatchingPrefill(Box<Dispatching>),
     Routed(Box<Routed>),
     /// Answered by the filter after the body was read; whatever comes later is not ours.
@@ -181,6 +203,8 @@ pub struct RequestLife {
     vm_header: Option<String>,
     /// The stream's id in its VM: its place in a waiting queue is named by it.
     id: u32,
+    /// When its wait for its prefix ends, once it has begun.
+    hold_until_ms: Option<u64>,
 }
 
 /// A 429 tells the client when to come back (spec §9).
@@ -198,7 +222,7 @@ fn json_headers(mut headers: Vec<(&'static str, String)>) -> Vec<(&'static str, 
 
 impl RequestLife {
     pub fn new(vm_header: Option<String>, id: u32) -> Self {
-        Self { state: State::New, vm_header, id }
+        Self { state: State::New, vm_header, id, hold_until_ms: None }
     }
 
     /// An error not counted yet: counted, and answered.
@@ -275,7 +299,11 @@ impl RequestLife {
             State::Buffering(_) => {}
             State::New | State::Passing | State::Routed(_) | State::Ended => return out.push(Action::Proceed),
             // Held until the answer comes, or answered already.
-            State::AwaitingIndexer(_) | State::Queued(_) | State::DispatchingPrefill(_) | State::Answered => return,
+            State::AwaitingIndexer(_)
+            | State::Queued(_)
+            | State::Holding(_)
+            | State::DispatchingPrefill(_)
+            | State::Answered => return,
         }
         match body_step(size, end_of_stream) {
             BodyStep::Wait => return,
@@ -439,7 +467,10 @@ impl RequestLife {
             // tell theirs at once, so two VMs seldom fill one free slot twice in a burst.
             app.exchange_counts_now();
         }
-        let outcome = app.decide(ticket);
+        let mut outcome = app.decide(ticket);
+        if let Some(ticket) = outcome.held.take() {
+            return self.hold(app, held, ticket, started_us, out);
+        }
         out.push(Action::Observe(Cow::Borrowed(SELECTION_US), app.monotonic_us().saturating_sub(started_us)));
         match (outcome.result, outcome.refused, queue) {
             (Err(error), Some(ticket), Some(config)) => {
@@ -488,6 +519,9 @@ impl RequestLife {
         refusal: Option<RouteError>,
         out: &mut Actions,
     ) {
+        // Selected again on its turn: it has waited enough.
+        let mut ticket = ticket;
+        ticket.may_hold = false;
         let model = ticket.facts.model.clone();
         let (max_wait_ms, header) = (config.max_wait_ms, |name: &str| held.header(name));
         let priority = super::queue::priority(config, &header);
@@ -523,10 +557,49 @@ impl RequestLife {
         }
     }
 
+    /// Waits at the router for the engine to start on its prefix's first dispatch, for at most
+    /// [`MAX_HOLD_MS`] in all, while the VM holds fewer than [`MAX_HELD`].
+    fn hold(&mut self, app: &AppContext, held: Held, mut ticket: Ticket, started_us: u64, out: &mut Actions) {
+        let now_ms = app.now_ms();
+        let first = self.hold_until_ms.is_none();
+        let until_ms = *self.hold_until_ms.get_or_insert(now_ms.saturating_add(MAX_HOLD_MS));
+        if (first && app.held().get() >= MAX_HELD) || now_ms >= until_ms {
+            ticket.may_hold = false;
+            return self.decide(app, held, ticket, started_us, out);
+        }
+        if first {
+            app.held().set(app.held().get() + 1);
+            out.push(Action::Hold);
+        }
+        self.state = State::Holding(Box::new(Holding { held, ticket }));
+    }
+
+    /// Whether the request waits for its prefix: the glue wakes it every tick until it does not.
+    pub fn holding(&self) -> bool {
+        matches!(self.state, State::Holding(_))
+    }
+
     /// A waiting request's turn, or its wait is over: it is selected again, bucket-first; it goes
-    /// to its engines, waits on when every engine is still full, or is answered.
+    /// to its engines, waits on when every engine is still full, or is answered. A request held
+    /// for its prefix is decided again: it goes once the engine started on the prefix.
     pub fn on_turn(&mut self, app: &AppContext, out: &mut Actions) {
-        let State::Queued(queued) = mem::take(&mut self.state) else { return };
+        let queued = match mem::take(&mut self.state) {
+            State::Queued(queued) => queued,
+            State::Holding(holding) => {
+                let Holding { held, ticket } = *holding;
+                self.decide(app, held, ticket, app.monotonic_us(), out);
+                if !self.holding() {
+                    app.held().set(app.held().get().saturating_sub(1));
+                    let since_ms = self.hold_until_ms.unwrap_or_default().saturating_sub(MAX_HOLD_MS);
+                    out.push(Action::Observe(Cow::Borrowed(PREFIX_HOLD_MS), app.now_ms().saturating_sub(since_ms)));
+                }
+                return;
+            }
+            other => {
+                self.state = other;
+                return;
+            }
+        };
         let Queued { held, ticket, model, priority, deadline_ms, max_wait_ms, since_ms } = *queued;
         if app.now_ms() >= deadline_ms {
             app.waiting().leave(self.id, false);
@@ -700,6 +773,7 @@ impl RequestLife {
                 app.waiting().leave(self.id, false);
                 app.count([Counter::QueueRejection(QueueExit::ClientGone, queued.priority)]);
             }
+            State::Holding(_) => app.held().set(app.held().get().saturating_sub(1)),
             _ => {}
         }
         // Whatever was held (an indexer slot, in-flight slots) is given back by now.
@@ -1308,6 +1382,120 @@ mod tests {
         life.on_end(&pd, &mut out);
         let sent = aborts(&mut out);
         assert_eq!(sent.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>(), ["sgl_D"], "the prefill was done");
+    }
+
+    /// Two cache-aware engines on `memory`, and the service's prefix log that publishes there.
+    fn cached_app(memory: &Arc<MemoryHost>) -> (AppContext, crate::state::prefix::PrefixLog) {
+        use crate::state::prefix::{Budgets, PrefixLog};
+        let config = json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+            "retry": {"attempts": 0},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {
+                "type": "cache_aware", "hold_for_prefix": true}}}}]}},
+        });
+        let config = parse_and_validate(&config.to_string()).unwrap();
+        let (handles, _) = filter_handles(&config, Arc::clone(memory) as Arc<dyn Host>, 1);
+        let log = PrefixLog::new(Budgets([("m".to_string(), 1 << 20)].into_iter().collect()));
+        log.publish_start(memory.as_ref()).unwrap();
+        (AppContext::new(config, handles), log)
+    }
+
+    /// A streamed chat whose system prompt is `system` (past the cache-aware minimum when 6 KB).
+    fn streamed(system: &str) -> Vec<u8> {
+        let messages = [json!({"role": "system", "content": system}), json!({"role": "user", "content": "hi"})];
+        json!({"model": "m", "messages": messages, "stream": true, "max_tokens": 4}).to_string().into_bytes()
+    }
+
+    fn send_body(app: &AppContext, id: u32, body: &[u8]) -> (RequestLife, Vec<Action>) {
+        let mut life = RequestLife::new(None, id);
+        let mut out = Vec::new();
+        life.on_request_headers(app, headers("POST", "/v1/chat/completions"), false, &mut out);
+        out.clear();
+        life.on_request_body(app, body.len(), true, &mut |_| body.to_vec(), &mut out);
+        let actions = visible(&mut out);
+        (life, actions)
+    }
+
+    /// SGLang matches its cache when it schedules a request: a sibling sent while the prefix's
+    /// first dispatch still waits behind other work would be batched with it and prefill it again.
+    #[test]
+    fn a_hit_waits_until_its_engine_started_on_the_prefix_then_goes_there() {
+        use crate::state::prefix::{PrefixEvent, Tier};
+        let memory = Arc::new(MemoryHost::default());
+        memory.set_now_ms(1_000);
+        let (app, mut log) = cached_app(&memory);
+        // Work ahead at A, unanswered; then the prefix, sent there 10 ms later.
+        let (mut ahead, actions) = send_body(&app, 1, &streamed("an earlier conversation"));
+        let cluster = upstream(&actions).unwrap().to_string();
+        let system = "a long shared system prompt ".repeat(220);
+        let sibling = streamed(&system);
+        let text = app.prepare(Endpoint::Chat, sibling.clone(), &|_| None).unwrap().request.prompt_text;
+        memory.advance_ms(10);
+        let stored = |sent_ms| PrefixEvent::Stored {
+            model: "m".into(),
+            worker: cluster.trim_start_matches("sgl_").into(),
+            text: text.as_deref().unwrap().to_string(),
+            tier: Tier::Gpu,
+            sent_ms,
+        };
+        log.append(memory.as_ref(), vec![stored(1_010)]).unwrap();
+        memory.advance_ms(5);
+
+        let (mut life, actions) = send_body(&app, 2, &sibling);
+        assert_eq!(actions, [Action::Hold], "held, not sent");
+        assert!(life.holding());
+        let mut out = Vec::new();
+        life.on_turn(&app, &mut out);
+        assert!(visible(&mut out).is_empty() && life.holding(), "A has not started on it yet");
+
+        ahead.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
+        ahead.on_response_body(false, &mut out);
+        out.clear();
+        life.on_turn(&app, &mut out);
+        let actions = visible(&mut out);
+        assert_eq!((upstream(&actions), actions.last()), (Some(cluster.as_str()), Some(&Action::Proceed)));
+        assert!(!life.holding());
+        assert_eq!(app.held().get(), 0);
+    }
+
+    /// An engine that never answers the work ahead holds nothing back for long, and a client that
+    /// leaves frees its place.
+    #[test]
+    fn a_hold_ends_after_its_longest_wait_or_with_its_client() {
+        use crate::state::prefix::{PrefixEvent, Tier};
+        let memory = Arc::new(MemoryHost::default());
+        memory.set_now_ms(1_000);
+        let (app, mut log) = cached_app(&memory);
+        let (_ahead, actions) = send_body(&app, 1, &streamed("an earlier conversation"));
+        let cluster = upstream(&actions).unwrap().to_string();
+        let sibling = streamed(&"a long shared system prompt ".repeat(220));
+        let text = app.prepare(Endpoint::Chat, sibling.clone(), &|_| None).unwrap().request.prompt_text;
+        let event = PrefixEvent::Stored {
+            model: "m".into(),
+            worker: cluster.trim_start_matches("sgl_").into(),
+            text: text.as_deref().unwrap().to_string(),
+            tier: Tier::Gpu,
+            sent_ms: 1_010,
+        };
+        memory.advance_ms(10);
+        log.append(memory.as_ref(), vec![event]).unwrap();
+        let (mut gone, actions) = send_body(&app, 2, &sibling);
+        assert_eq!(actions, [Action::Hold]);
+        let (mut life, actions) = send_body(&app, 3, &sibling);
+        assert_eq!((actions, app.held().get()), (vec![Action::Hold], 2));
+        let mut out = Vec::new();
+        gone.on_end(&app, &mut out);
+        assert_eq!(app.held().get(), 1, "its client left");
+
+        memory.advance_ms(MAX_HOLD_MS - 1);
+        life.on_turn(&app, &mut out);
+        assert!(life.holding());
+        memory.advance_ms(1);
+        life.on_turn(&app, &mut out);
+        let actions = visible(&mut out);
+        let sent = (upstream(&actions), actions.last());
+        assert_eq!(sent, (Some(cluster.as_str()), Some(&Action::Proceed)), "goes regardless");
+        assert_eq!(app.held().get(), 0);
     }
 
     /// One engine that takes one request at a time, and a queue; `memory` is the VMs' host.

@@ -161,7 +161,13 @@ impl CacheSource for LocalCacheSource {
                 .into_iter()
                 .map(|m| {
                     let tokens = m.matched_bytes / self.bytes_per_token;
-                    PrefixHit { engine: m.worker, matched_tokens: tokens, gpu_tokens: tokens, ranks: Vec::new() }
+                    PrefixHit {
+                        engine: m.worker,
+                        matched_tokens: tokens,
+                        gpu_tokens: tokens,
+                        ranks: Vec::new(),
+                        sent_ms: m.sent_ms,
+                    }
                 })
                 .collect(),
         ))
@@ -295,6 +301,19 @@ impl CacheAwarePolicy {
     /// Step 4's soft gate: past the worker queue limit (unknown queues are not past it).
     fn queued(&self, snapshot: &LoadSnapshot, w: &Engine) -> bool {
         self.config.worker_queue_limit.is_some_and(|limit| Self::waiting(snapshot, w).is_some_and(|q| q >= limit))
+    }
+
+    /// When the router sent `hit`'s prefix to its engine, if the engine has not started on that
+    /// dispatch: serving first come first, it has not while a dispatch started before it waits
+    /// unanswered there. A prefix the engine itself reported (`sent_ms` 0) is held. Asked only
+    /// with `hold_for_prefix`.
+    fn unstarted(&self, hit: &PrefixHit) -> Option<u64> {
+        if !self.config.hold_for_prefix || hit.sent_ms == 0 {
+            return None;
+        }
+        let oldest = self.gate.inflight.local_load(&hit.engine).unanswered?;
+        let started_ms = self.gate.inflight.now_ms().saturating_sub(oldest.ms);
+        (started_ms < hit.sent_ms).then_some(hit.sent_ms)
     }
 
     /// Steps 2 and 3: holders past the gates, longest match first, bounded in number.
@@ -437,8 +456,10 @@ impl CacheAwarePolicy {
         };
         // The chosen engine's match is what it is spared prefilling, whatever the reason it won.
         let cached = |pick: Pick| {
-            let held = matches.iter().find(|h| h.engine == pick.engine.id).map_or(0, PrefixHit::effective_tokens);
-            Pick { cached_tokens: held.min(request.input_tokens), ..pick }
+            let hit = matches.iter().find(|h| h.engine == pick.engine.id);
+            let held = hit.map_or(0, PrefixHit::effective_tokens);
+            let prefix_unstarted = hit.and_then(|h| self.unstarted(h));
+            Pick { cached_tokens: held.min(request.input_tokens), prefix_unstarted, ..pick }
         };
         let input = request.input_tokens;
         let compared = match text {
@@ -559,6 +580,7 @@ mod tests {
             worker: worker.into(),
             text: text.into(),
             tier: Tier::Gpu,
+            sent_ms: 0,
         };
         let holders = |text: &str| match source.lookup(&PickRequest { prompt_text: Some(text), ..request(Role::Plain) })
         {
@@ -590,13 +612,19 @@ mod tests {
 
     impl Fixed {
         fn matches(m: &[(&str, u64)]) -> Arc<Self> {
+            Self::sent(&m.iter().map(|&(w, tokens)| (w, tokens, 0)).collect::<Vec<_>>())
+        }
+
+        /// Hits the router sent there at (engine, tokens, sent_ms).
+        fn sent(m: &[(&str, u64, u64)]) -> Arc<Self> {
             let matches = m
                 .iter()
-                .map(|(w, tokens)| PrefixHit {
+                .map(|&(w, tokens, sent_ms)| PrefixHit {
                     engine: w.to_string(),
-                    matched_tokens: *tokens,
-                    gpu_tokens: *tokens,
+                    matched_tokens: tokens,
+                    gpu_tokens: tokens,
                     ranks: Vec::new(),
+                    sent_ms,
                 })
                 .collect();
             Arc::new(Self { answer: CacheLookup::Matches(Cow::Owned(matches)), lookups: AtomicUsize::new(0) })
@@ -998,6 +1026,34 @@ mod tests {
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A", "answered: back to its holder");
     }
 
+    /// SGLang matches its cache when it schedules a request: one scheduled in the batch of the
+    /// dispatch that brings the prefix prefills it again.
+    #[test]
+    fn a_hit_says_when_its_prefix_was_sent_while_work_sent_before_it_waits_unanswered() {
+        let s = State::new();
+        let hold = tuned(|c| c.hold_for_prefix = true);
+        let off = policy(&s, Fixed::sent(&[("A", 900, 50)]), tuned(|_| {}), AdmissionLimits::default());
+        let p = policy(&s, Fixed::sent(&[("A", 900, 50)]), hold.clone(), AdmissionLimits::default());
+        let unstarted = |p: &CacheAwarePolicy| {
+            let hit = pick(p, &["A", "B"], 1000).unwrap();
+            assert_eq!((hit.engine.id.as_str(), hit.cached_tokens), ("A", 900), "the holder all the same");
+            hit.prefix_unstarted
+        };
+        s.inflight.set_now(60);
+        assert_eq!(unstarted(&p), None, "nothing unanswered: the engine took the prefix up");
+        let ahead = Waiting { since_ms: 40, tokens: 500 };
+        s.inflight.awaiting("A", ahead);
+        assert_eq!(unstarted(&p), Some(50), "a dispatch sent before it still waits");
+        assert_eq!(unstarted(&off), None, "not asked for");
+        s.inflight.awaiting("B", Waiting { since_ms: 10, tokens: 500 });
+        s.inflight.answered("A", ahead);
+        s.inflight.awaiting("A", Waiting { since_ms: 50, tokens: 900 });
+        assert_eq!(unstarted(&p), None, "only the prefix's own dispatch waits, another engine's is not A's");
+        let reported = policy(&s, Fixed::sent(&[("A", 900, 0)]), hold, AdmissionLimits::default());
+        s.inflight.awaiting("A", Waiting { since_ms: 0, tokens: 500 });
+        assert_eq!(unstarted(&reported), None, "what the engine says it holds");
+    }
+
     #[test]
     fn engines_of_one_speed_learned_with_noise_still_spread_new_prefixes_by_content() {
         let s = State::new();
@@ -1059,7 +1115,8 @@ mod tests {
     #[test]
     fn the_remote_source_reads_the_requests_indexer_answer() {
         use crate::protocol::indexer::IndexerMatch;
-        let hits = vec![PrefixHit { engine: "A".into(), matched_tokens: 5, gpu_tokens: 5, ranks: Vec::new() }];
+        let hits =
+            vec![PrefixHit { engine: "A".into(), matched_tokens: 5, gpu_tokens: 5, ranks: Vec::new(), sent_ms: 0 }];
         let answered: crate::protocol::indexer::IndexerAnswer =
             Ok(IndexerMatch { input_tokens: 9, hits: hits.clone(), handle: None });
         let failed: crate::protocol::indexer::IndexerAnswer = Err("late".into());

@@ -111,11 +111,16 @@ pub struct Pick {
     /// The prompt's tokens the engine holds by the policy's prefix lookup (none without one): the
     /// prefill work it is spared.
     pub cached_tokens: u64,
+    /// When the router sent the engine the cached prefix (its host clock, ms), if the engine has
+    /// not started on that dispatch yet: work sent before it is still unanswered there. SGLang
+    /// matches its cache when it schedules a request, so one it schedules in the same batch as
+    /// the dispatch that brings the prefix prefills the prefix again.
+    pub prefix_unstarted: Option<u64>,
 }
 
 impl Pick {
     pub fn new(engine: Arc<Engine>, reason: PickReason) -> Self {
-        Self { engine, reason, cached_tokens: 0 }
+        Self { engine, reason, cached_tokens: 0, prefix_unstarted: None }
     }
 }
 

@@ -97,6 +97,9 @@ pub struct PrefixHit {
     pub gpu_tokens: u64,
     /// Tokens matched per data-parallel rank, when the indexer said (rank, tokens).
     pub ranks: Vec<(u32, u64)>,
+    /// When the router first sent the matched prefix there, for a hit known only from its own
+    /// dispatches; 0 when the engine said it holds it ([`crate::state::prefix::Held::sent_ms`]).
+    pub sent_ms: u64,
 }
 
 impl PrefixHit {
@@ -156,6 +159,7 @@ pub fn parse_answer(status: Option<u16>, body: &[u8], known_input: Option<u64>) 
             matched_tokens: m.matched_tokens.min(input_tokens),
             gpu_tokens: m.gpu.unwrap_or(m.matched_tokens),
             ranks: per_rank(m.ranks, input_tokens),
+            sent_ms: 0,
         })
         .filter(|h| h.matched_tokens > 0)
         .collect();
@@ -175,7 +179,7 @@ pub fn parse_dynamo(status: Option<u16>, body: &[u8], input_tokens: u64) -> Inde
         .filter_map(|(engine, ranks)| {
             let best = ranks.values().copied().max()?.min(input_tokens);
             let ranks = per_rank(ranks, input_tokens);
-            (best > 0).then_some(PrefixHit { engine, matched_tokens: best, gpu_tokens: best, ranks })
+            (best > 0).then_some(PrefixHit { engine, matched_tokens: best, gpu_tokens: best, ranks, sent_ms: 0 })
         })
         .collect();
     rank(&mut hits);
@@ -239,7 +243,10 @@ mod tests {
         let bytes = serde_json::to_vec(&answer).unwrap();
         assert_eq!(serde_json::from_slice::<MatchAnswer>(&bytes).unwrap(), answer);
         let m = parse_answer(Some(200), &bytes, None).unwrap();
-        assert_eq!(m.hits, [PrefixHit { engine: "A".into(), matched_tokens: 64, gpu_tokens: 48, ranks: vec![] }]);
+        assert_eq!(
+            m.hits,
+            [PrefixHit { engine: "A".into(), matched_tokens: 64, gpu_tokens: 48, ranks: vec![], sent_ms: 0 }]
+        );
         let query = Query { model: "m".into(), token_ids: vec![1, 2].into(), lora_name: None, cache_salt: None };
         let bytes = serde_json::to_vec(&query).unwrap();
         assert_eq!(bytes, br#"{"model":"m","token_ids":[1,2]}"#);

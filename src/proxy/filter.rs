@@ -4,7 +4,7 @@
 //! tick ([`Waiters`]), which calls it under its own context id.
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
@@ -20,10 +20,12 @@ use crate::filter::AppContext;
 /// How often a VM with waiting streams looks for their turns.
 pub const QUEUE_TICK: Duration = Duration::from_millis(2);
 
-/// A VM's waiting streams by context id, for its root to wake, and whether its root ticks fast.
+/// A VM's waiting streams by context id, for its root to wake, those of them held for their
+/// prefix (woken every tick), and whether its root ticks fast.
 #[derive(Default)]
 pub struct WaitingStreams {
     pub streams: RefCell<BTreeMap<u32, Weak<RefCell<Stream>>>>,
+    pub holding: RefCell<BTreeSet<u32>>,
     pub fast_tick: Cell<bool>,
 }
 
@@ -84,6 +86,17 @@ impl Stream {
         if self.carry_out(actions) {
             let _ = hostcalls::resume_http_request();
         }
+    }
+
+    /// Whether it still waits for its prefix.
+    pub fn holding(&self) -> bool {
+        self.life.holding()
+    }
+
+    /// Joins the VM's held streams, woken every tick.
+    fn hold(&self) {
+        self.waiters.holding.borrow_mut().insert(self.context_id);
+        self.wait();
     }
 
     /// Joins the VM's waiting streams; the root looks for turns at once and then every tick.
@@ -166,6 +179,7 @@ impl Stream {
                 Action::Count(bumps) => self.stats.count_all(&bumps),
                 Action::Observe(name, value) => self.stats.histogram(&name, value),
                 Action::Wait => self.wait(),
+                Action::Hold => self.hold(),
             }
             i += 1;
         }

@@ -116,7 +116,28 @@ impl Root {
         }
         let _ = hostcalls::set_effective_context(self.context_id);
         let waiting = app.borrow();
-        self.waiters.streams.borrow_mut().retain(|id, _| waiting.waiting().holds(*id));
+        let holding = self.waiters.holding.borrow();
+        self.waiters.streams.borrow_mut().retain(|id, _| waiting.waiting().holds(*id) || holding.contains(id));
+    }
+
+    /// Wakes every stream held for its prefix, under its own context id: each is decided again.
+    fn wake_held(&self) {
+        let held: Vec<u32> = self.waiters.holding.borrow().iter().copied().collect();
+        for id in held {
+            let stream = self.waiters.streams.borrow().get(&id).and_then(std::rc::Weak::upgrade);
+            let still = match stream {
+                Some(stream) if hostcalls::set_effective_context(id).is_ok() => {
+                    stream.borrow_mut().on_turn();
+                    let still = stream.borrow().holding();
+                    still
+                }
+                _ => false,
+            };
+            if !still {
+                self.waiters.holding.borrow_mut().remove(&id);
+            }
+        }
+        let _ = hostcalls::set_effective_context(self.context_id);
     }
 
     /// Each queued model's depth, counted over every VM.
@@ -203,8 +224,12 @@ impl RootContext for Root {
         }
         if let Some(app) = self.filter.clone() {
             let now = ProxyHost.now_ms();
+            let held = !self.waiters.holding.borrow().is_empty();
+            if held {
+                self.wake_held();
+            }
             let waiting = !app.borrow().waiting().is_empty();
-            if waiting {
+            if waiting || held {
                 self.take_turns(&app);
             }
             // A VM that had streams waiting reports the depth they left too.
@@ -214,7 +239,7 @@ impl RootContext for Root {
                 self.last_depths_ms.set(now);
                 self.export_depths(&app);
             }
-            let still_waiting = !app.borrow().waiting().is_empty();
+            let still_waiting = !app.borrow().waiting().is_empty() || !self.waiters.holding.borrow().is_empty();
             if still_waiting != self.waiters.fast_tick.replace(still_waiting) {
                 let period = if still_waiting { QUEUE_TICK } else { Duration::from_millis(vm_registry::HEARTBEAT_MS) };
                 self.set_tick_period(period);

@@ -433,6 +433,7 @@ mod tests {
             worker: "A".into(),
             text: "hello world".into(),
             tier: crate::state::prefix::Tier::Gpu,
+            sent_ms: 0,
         })
         .unwrap()]);
         let head = core.prefixes.head();
@@ -469,6 +470,7 @@ mod tests {
             worker: worker.into(),
             text,
             tier: crate::state::prefix::Tier::Gpu,
+            sent_ms: 0,
         })
         .unwrap()
     }

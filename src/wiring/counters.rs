@@ -12,6 +12,8 @@ use crate::state::wait_queue::QueueExit;
 pub const SELECTION_US: &str = "sgl_router_selection_us";
 /// From sending the indexer callout to its answer or its last failure, failovers included.
 pub const INDEXER_WAIT_US: &str = "sgl_router_indexer_wait_us";
+/// How long a request waited at the router for its engine to start on its prefix.
+pub const PREFIX_HOLD_MS: &str = "sgl_router_prefix_hold_ms";
 
 /// A label value safe inside a dotted metric name.
 pub fn label(value: &str) -> String {

@@ -134,6 +134,9 @@ pub struct Ticket {
     pub rid: Option<RequestId>,
     /// The indexer's match call, when the request is to ask it.
     pub(crate) indexer_call: Option<IndexerCall>,
+    /// It may wait at the router for its engine to start on its prefix ([`Outcome::held`]): not
+    /// once it waited its longest, nor after waiting in the queue.
+    pub may_hold: bool,
 }
 
 impl Ticket {
@@ -167,6 +170,10 @@ pub struct Outcome {
     /// The ticket back when every compatible engine's admission refused it: it may wait for room
     /// and be decided again (spec §9).
     pub refused: Option<Ticket>,
+    /// The ticket back when the engine picked for its cached prefix has not started on the
+    /// dispatch that sent it there, and the request may wait for it ([`Ticket::may_hold`]): it
+    /// waits at the router and is decided again. `result` then only says so.
+    pub held: Option<Ticket>,
 }
 
 /// What a decision is made with besides the request: the wiring every request shares.
@@ -178,6 +185,8 @@ pub struct Wiring<'a> {
     pub indexer: Option<&'a IndexerClient>,
     /// Engines' reported load, read only to choose a data-parallel rank.
     pub load: &'a dyn LoadView,
+    /// The host clock, for when a prefix was sent.
+    pub now_ms: u64,
 }
 
 /// Runs the bucket loop for `ticket` and turns its selection into a [`Decision`].
@@ -190,9 +199,16 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             let counters = metrics::failed(&failure).into_iter().chain(lookup_counter).collect();
             let error = failure.to_route_error();
             let refused = (error.kind == ErrorKind::AdmissionRejected).then_some(ticket);
-            return Outcome { counters, result: Err(error), refused };
+            return Outcome { counters, result: Err(error), refused, held: None };
         }
     };
+    // Sent now, it would be scheduled with the dispatch that brings its prefix, and prefill the
+    // prefix again: it waits for the engine to start on that one. Nothing was counted yet.
+    let (BucketPick::Plain(pick) | BucketPick::Pd { prefill: pick, .. }) = &selection.pick;
+    if ticket.may_hold && pick.prefix_unstarted.is_some() {
+        let error = RouteError::new(ErrorKind::AdmissionRejected, "waiting for its engine to start on its prefix");
+        return Outcome { counters: Vec::new(), result: Err(error), refused: None, held: Some(ticket) };
+    }
     let mut counters = metrics::selected(&selection);
     counters.extend(lookup_counter);
     let answered = ticket.request.indexer.as_ref().and_then(|a| a.as_ref().ok());
@@ -262,6 +278,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         worker: target.prefill_work().id.clone(),
         text: text.to_string(),
         tier: Tier::Gpu,
+        sent_ms: wiring.now_ms,
     });
     // The indexer holds the blocks for the engine that prefills them until its own event says so.
     let handle = answered.and_then(|m| m.handle.as_deref());
@@ -284,6 +301,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     Outcome {
         counters,
         refused: None,
+        held: None,
         result: Ok(Decision {
             prefill_tokens: selection.input_tokens.saturating_sub(cached_tokens),
             stream: ticket.facts.stream,

@@ -92,10 +92,10 @@ impl Exchange {
 
     /// The decision's prefix event stored (or removed) under `worker`.
     fn under(event: &PrefixEvent, worker: &str, stored: bool) -> Option<PrefixEvent> {
-        let PrefixEvent::Stored { model, text, tier, .. } = event else { return None };
+        let PrefixEvent::Stored { model, text, tier, sent_ms, .. } = event else { return None };
         let (model, worker, text) = (model.clone(), worker.to_string(), text.clone());
         Some(if stored {
-            PrefixEvent::Stored { model, worker, text, tier: *tier }
+            PrefixEvent::Stored { model, worker, text, tier: *tier, sent_ms: *sent_ms }
         } else {
             PrefixEvent::Removed { model, worker, text }
         })
@@ -210,7 +210,7 @@ mod tests {
     use crate::testing::{worker, worker_with};
 
     fn event(worker: &str) -> PrefixEvent {
-        PrefixEvent::Stored { model: "m".into(), worker: worker.into(), text: "hi".into(), tier: Tier::Gpu }
+        PrefixEvent::Stored { model: "m".into(), worker: worker.into(), text: "hi".into(), tier: Tier::Gpu, sent_ms: 0 }
     }
 
     fn removed(worker: &str) -> PrefixEvent {

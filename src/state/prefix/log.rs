@@ -219,6 +219,7 @@ mod tests {
             worker: ["A", "B"][(i % 2) as usize].into(),
             text: format!("system prompt {} / user {i}", i % 7),
             tier: Tier::Gpu,
+            sent_ms: 0,
         }
     }
 
@@ -313,7 +314,7 @@ mod tests {
             let text = format!("{i} {}", "distinct prompt text ".repeat(50));
             log.append(
                 &host,
-                vec![PrefixEvent::Stored { model: "m".into(), worker: "A".into(), text, tier: Tier::Gpu }],
+                vec![PrefixEvent::Stored { model: "m".into(), worker: "A".into(), text, tier: Tier::Gpu, sent_ms: 0 }],
             )
             .unwrap();
         }

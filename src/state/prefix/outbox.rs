@@ -71,7 +71,7 @@ mod tests {
     use crate::testing::test;
 
     fn stored(text: &str) -> PrefixEvent {
-        PrefixEvent::Stored { model: "m".into(), worker: "A".into(), text: text.into(), tier: Tier::Gpu }
+        PrefixEvent::Stored { model: "m".into(), worker: "A".into(), text: text.into(), tier: Tier::Gpu, sent_ms: 0 }
     }
 
     fn sent(host: &MemoryHost) -> Vec<Vec<PrefixEvent>> {

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::events::Tier;
+use super::events::{Held, Tier};
 
 const ROOT: u32 = 0;
 
@@ -63,7 +63,7 @@ struct Node {
     edge: Vec<u8>,
     parent: u32,
     children: VecMap<u8, u32>,
-    owners: VecMap<u16, Tier>,
+    owners: VecMap<u16, Held>,
     /// The event sequence of the last insert through this node.
     last_seq: u64,
     /// Bytes from the root to the end of this node's edge.
@@ -83,6 +83,8 @@ pub struct PrefixMatch {
     pub worker: String,
     pub matched_bytes: u64,
     pub tier: Tier,
+    /// [`Held::sent_ms`] of the deepest part matched.
+    pub sent_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -214,8 +216,10 @@ impl RadixTree {
         upper_id
     }
 
-    /// Records that `worker` holds `text` (and so all of its prefixes).
-    pub fn insert(&mut self, text: &[u8], worker: &str, tier: Tier, seq: u64) {
+    /// Records that `worker` holds `text` (and so all of its prefixes). A part it held already
+    /// keeps the time it was first sent.
+    pub fn insert(&mut self, text: &[u8], worker: &str, held: impl Into<Held>, seq: u64) {
+        let held = held.into();
         let w = self.worker_index(worker);
         let (mut cur, mut pos) = (ROOT, 0usize);
         while pos < text.len() {
@@ -224,7 +228,7 @@ impl RadixTree {
                 None => {
                     let depth = self.node(cur).depth + (text.len() - pos) as u64;
                     let mut leaf = Node::new(text[pos..].to_vec(), cur, depth, seq);
-                    leaf.owners.insert(w, tier);
+                    leaf.owners.insert(w, held);
                     if cur != ROOT && self.node(cur).children.is_empty() {
                         let last = self.node(cur).last_seq;
                         self.leaves.remove(&(last, cur));
@@ -238,7 +242,9 @@ impl RadixTree {
                 Some(child) => {
                     let common = common_prefix(&self.node(child).edge, &text[pos..]);
                     let node = if common < self.node(child).edge.len() { self.split(child, common) } else { child };
-                    self.node_mut(node).owners.insert(w, tier);
+                    let owners = &mut self.node_mut(node).owners;
+                    let sent_ms = owners.get(&w).map_or(held.sent_ms, |h| h.sent_ms.min(held.sent_ms));
+                    owners.insert(w, Held { sent_ms, ..held });
                     self.set_recency(node, seq);
                     pos += common;
                     cur = node;
@@ -329,15 +335,15 @@ impl RadixTree {
 
     /// How much of `text` each engine holds; engines holding nothing are absent.
     pub fn match_prefix(&self, text: &[u8]) -> Vec<PrefixMatch> {
-        let mut best: BTreeMap<u16, (u64, Tier)> = BTreeMap::new();
+        let mut best: BTreeMap<u16, (u64, Held)> = BTreeMap::new();
         let (mut cur, mut pos) = (ROOT, 0usize);
         while pos < text.len() {
             let Some(child) = self.node(cur).children.get(&text[pos]).copied() else { break };
             let n = self.node(child);
             let common = common_prefix(&n.edge, &text[pos..]);
             let reached = self.node(cur).depth + common as u64;
-            for (w, tier) in n.owners.iter() {
-                best.insert(*w, (reached, *tier));
+            for (w, held) in n.owners.iter() {
+                best.insert(*w, (reached, *held));
             }
             pos += common;
             if common < n.edge.len() {
@@ -346,8 +352,9 @@ impl RadixTree {
             cur = child;
         }
         best.into_iter()
-            .filter_map(|(w, (matched_bytes, tier))| {
-                Some(PrefixMatch { worker: self.workers.get(w as usize)?.clone(), matched_bytes, tier })
+            .filter_map(|(w, (matched_bytes, held))| {
+                let worker = self.workers.get(w as usize)?.clone();
+                Some(PrefixMatch { worker, matched_bytes, tier: held.tier, sent_ms: held.sent_ms })
             })
             .collect()
     }
@@ -416,6 +423,26 @@ mod tests {
         t.remove(b"shared-prefix-", "A");
         assert!(matched(&t, "shared-prefix-2").iter().all(|(w, _)| w != "A"));
         assert_eq!(matched(&t, "shared-prefix-1"), vec![("B".into(), 15)]);
+    }
+
+    #[test]
+    fn a_match_says_when_its_deepest_part_was_first_sent_there() {
+        let sent = |sent_ms| Held { tier: Tier::Gpu, sent_ms };
+        let at = |t: &RadixTree, text: &str| {
+            t.match_prefix(text.as_bytes()).into_iter().map(|m| (m.worker, m.sent_ms)).collect::<Vec<_>>()
+        };
+        let mut t = RadixTree::new(1 << 20);
+        t.insert(b"system prompt / first user", "A", sent(100), 1);
+        t.insert(b"system prompt / second user", "A", sent(200), 2);
+        assert_eq!(at(&t, "system prompt / third user"), [("A".into(), 100)], "the split part keeps its first send");
+        assert_eq!(at(&t, "system prompt / second user, again"), [("A".into(), 200)]);
+        t.insert(b"system prompt / first user", "A", sent(300), 3);
+        assert_eq!(at(&t, "system prompt / first user"), [("A".into(), 100)], "sent again: held since the first");
+        t.insert(b"system prompt / first user", "A", Tier::Gpu, 4);
+        assert_eq!(at(&t, "system prompt / first user"), [("A".into(), 0)], "the engine said it holds it");
+        t.remove(b"system prompt / first user", "A");
+        t.insert(b"system prompt / first user", "A", sent(400), 5);
+        assert_eq!(at(&t, "system prompt / first user"), [("A".into(), 400)], "dropped, then sent anew");
     }
 
     #[test]
