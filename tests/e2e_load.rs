@@ -371,3 +371,46 @@ fn the_router_learns_which_engine_prefills_slower_and_sends_it_less_prefill() {
     assert!(slow < fast, "learned {fast} and {slow} tokens/s");
     assert!((1_000.0..6_000.0).contains(&slow), "S prefills 2,000 tokens/s: learned {slow}");
 }
+
+/// SGLang matches its cache when it schedules a request, so a request sent while the one that
+/// brings its prefix still waits behind other work would be scheduled with it and prefill the
+/// prefix again. The filter holds it until the engine has answered that work, and only then.
+#[test]
+fn a_hit_waits_at_the_router_until_its_engine_started_on_the_prefix() {
+    let slow = SimSpec { token_delay_ms: 1, extra: vec!["--prefill-tps".into(), "2000".into()], ..SimSpec::plain("A") };
+    let d = Deployment::start("prefix_hold", vec![slow], |sims| {
+        let mut router = plain_with(
+            sims,
+            json!([{"id": "all", "groups": {"plain": {"policy": {
+                "type": "cache_aware", "min_hit_tokens": 64, "hold_for_prefix": true}}}}]),
+        );
+        router["load"] = json!({"source": "sglang_get_load", "interval_ms": 100, "prefill_tokens_per_s": 2000});
+        router
+    });
+    d.wait_for_service(1);
+    let streamed = |content: String| {
+        let url = d.envoy.url("/v1/chat/completions");
+        std::thread::spawn(move || {
+            let body = chat_body(&content, 2, true);
+            let mut r = agent().post(&url).header("content-type", "application/json").send(body.to_string()).unwrap();
+            let status = r.status().as_u16();
+            let _ = r.body_mut().read_to_string();
+            status
+        })
+    };
+    let system = "a shared system prompt ".repeat(60);
+    // Work ahead: about half a second of prefill. Then the prefix, queued behind it.
+    let ahead = streamed("lorem ipsum ".repeat(500));
+    std::thread::sleep(Duration::from_millis(100));
+    let first = streamed(format!("{system} first"));
+    // The prefix reaches every VM's index.
+    std::thread::sleep(Duration::from_millis(150));
+    let sibling = streamed(format!("{system} second"));
+    let holds = || d.envoy.metric("sgl_router_prefix_hold_ms_count{}");
+    assert_eq!([ahead, first, sibling].map(|h| h.join().unwrap()), [200; 3]);
+    wait_for("the hold counted", Duration::from_secs(15), || (holds()? >= 1.0).then_some(()));
+    // Nothing ahead of the prefix now: the next sibling goes at once.
+    assert_eq!(streamed(format!("{system} third")).join().unwrap(), 200);
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(holds(), Some(1.0), "held once");
+}
