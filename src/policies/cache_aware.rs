@@ -306,12 +306,13 @@ impl CacheAwarePolicy {
     /// When the router sent `hit`'s prefix to its engine, if the engine has not started on that
     /// dispatch: serving first come first, it has not while a dispatch started before it waits
     /// unanswered there. A prefix the engine itself reported (`sent_ms` 0) is held. Asked only
-    /// with `hold_for_prefix`.
-    fn unstarted(&self, hit: &PrefixHit) -> Option<u64> {
+    /// with `hold_for_prefix`; `priced` is the engine's load as this pick already read it, if it did.
+    fn unstarted(&self, hit: &PrefixHit, priced: impl FnOnce() -> Option<LocalLoad>) -> Option<u64> {
         if !self.config.hold_for_prefix || hit.sent_ms == 0 {
             return None;
         }
-        let oldest = self.gate.inflight.local_load(&hit.engine).unanswered?;
+        let local = priced().unwrap_or_else(|| self.gate.inflight.local_load(&hit.engine));
+        let oldest = local.unanswered?;
         let started_ms = self.gate.inflight.now_ms().saturating_sub(oldest.ms);
         (started_ms < hit.sent_ms).then_some(hit.sent_ms)
     }
@@ -454,19 +455,21 @@ impl CacheAwarePolicy {
                 )
             }
         };
-        // The chosen engine's match is what it is spared prefilling, whatever the reason it won.
-        let cached = |pick: Pick| {
-            let hit = matches.iter().find(|h| h.engine == pick.engine.id);
-            let held = hit.map_or(0, PrefixHit::effective_tokens);
-            let prefix_unstarted = hit.and_then(|h| self.unstarted(h));
-            Pick { cached_tokens: held.min(request.input_tokens), prefix_unstarted, ..pick }
-        };
         let input = request.input_tokens;
         let compared = match text {
             Some(t) => (t.len() as u64).div_ceil(self.bytes_per_token).min(input),
             None => input,
         };
         let holders = self.usable_holders(engines, matches, input, compared, &snapshot, prior);
+        // The chosen engine's match is what it is spared prefilling, whatever the reason it won;
+        // a usable holder's load was read when it was priced.
+        let cached = |pick: Pick| {
+            let hit = matches.iter().find(|h| h.engine == pick.engine.id);
+            let held = hit.map_or(0, PrefixHit::effective_tokens);
+            let priced = || holders.iter().find(|h| h.worker.id == pick.engine.id).map(|h| h.price.local);
+            let prefix_unstarted = hit.and_then(|h| self.unstarted(h, priced));
+            Pick { cached_tokens: held.min(request.input_tokens), prefix_unstarted, ..pick }
+        };
         if holders.is_empty() {
             return self
                 .load_fallback(engines, &snapshot, prior, request.input_tokens, PickReason::CacheMiss)
