@@ -1416,29 +1416,34 @@ mod tests {
         (life, actions)
     }
 
-    /// SGLang matches its cache when it schedules a request: a sibling sent while the prefix's
-    /// first dispatch still waits behind other work would be batched with it and prefill it again.
-    #[test]
-    fn a_hit_waits_until_its_engine_started_on_the_prefix_then_goes_there() {
+    /// Work ahead at one engine, unanswered since 1,000 ms; then a system prompt the router sent
+    /// there at 1,010 ms. The app, the work ahead, the engine's cluster and a sibling's body.
+    fn prefix_behind_work(memory: &Arc<MemoryHost>) -> (AppContext, RequestLife, String, Vec<u8>) {
         use crate::state::prefix::{PrefixEvent, Tier};
-        let memory = Arc::new(MemoryHost::default());
         memory.set_now_ms(1_000);
-        let (app, mut log) = cached_app(&memory);
-        // Work ahead at A, unanswered; then the prefix, sent there 10 ms later.
-        let (mut ahead, actions) = send_body(&app, 1, &streamed("an earlier conversation"));
+        let (app, mut log) = cached_app(memory);
+        let (ahead, actions) = send_body(&app, 1, &streamed("an earlier conversation"));
         let cluster = upstream(&actions).unwrap().to_string();
-        let system = "a long shared system prompt ".repeat(220);
-        let sibling = streamed(&system);
+        let sibling = streamed(&"a long shared system prompt ".repeat(220));
         let text = app.prepare(Endpoint::Chat, sibling.clone(), &|_| None).unwrap().request.prompt_text;
-        memory.advance_ms(10);
-        let stored = |sent_ms| PrefixEvent::Stored {
+        let event = PrefixEvent::Stored {
             model: "m".into(),
             worker: cluster.trim_start_matches("sgl_").into(),
             text: text.as_deref().unwrap().to_string(),
             tier: Tier::Gpu,
-            sent_ms,
+            sent_ms: 1_010,
         };
-        log.append(memory.as_ref(), vec![stored(1_010)]).unwrap();
+        memory.advance_ms(10);
+        log.append(memory.as_ref(), vec![event]).unwrap();
+        (app, ahead, cluster, sibling)
+    }
+
+    /// SGLang matches its cache when it schedules a request: a sibling sent while the prefix's
+    /// first dispatch still waits behind other work would be batched with it and prefill it again.
+    #[test]
+    fn a_hit_waits_until_its_engine_started_on_the_prefix_then_goes_there() {
+        let memory = Arc::new(MemoryHost::default());
+        let (app, mut ahead, cluster, sibling) = prefix_behind_work(&memory);
         memory.advance_ms(5);
 
         let (mut life, actions) = send_body(&app, 2, &sibling);
@@ -1462,23 +1467,8 @@ mod tests {
     /// leaves frees its place.
     #[test]
     fn a_hold_ends_after_its_longest_wait_or_with_its_client() {
-        use crate::state::prefix::{PrefixEvent, Tier};
         let memory = Arc::new(MemoryHost::default());
-        memory.set_now_ms(1_000);
-        let (app, mut log) = cached_app(&memory);
-        let (_ahead, actions) = send_body(&app, 1, &streamed("an earlier conversation"));
-        let cluster = upstream(&actions).unwrap().to_string();
-        let sibling = streamed(&"a long shared system prompt ".repeat(220));
-        let text = app.prepare(Endpoint::Chat, sibling.clone(), &|_| None).unwrap().request.prompt_text;
-        let event = PrefixEvent::Stored {
-            model: "m".into(),
-            worker: cluster.trim_start_matches("sgl_").into(),
-            text: text.as_deref().unwrap().to_string(),
-            tier: Tier::Gpu,
-            sent_ms: 1_010,
-        };
-        memory.advance_ms(10);
-        log.append(memory.as_ref(), vec![event]).unwrap();
+        let (app, _ahead, cluster, sibling) = prefix_behind_work(&memory);
         let (mut gone, actions) = send_body(&app, 2, &sibling);
         assert_eq!(actions, [Action::Hold]);
         let (mut life, actions) = send_body(&app, 3, &sibling);
