@@ -470,6 +470,31 @@ mod tests {
     }
 
     #[test]
+    fn hold_for_prefix_takes_a_mode_or_a_boolean() {
+        let with = |value: Value| {
+            let mut v = minimal();
+            v["models"]["m"]["buckets"][0]["groups"]["plain"]["policy"] =
+                json!({"type": "cache_aware", "hold_for_prefix": value});
+            from_value(v)
+        };
+        let mode = |value: Value| match &with(value).unwrap().models["m"].buckets[0].groups {
+            GroupsConfig::Plain(GroupConfig { policy: PolicyConfig::CacheAware(c), .. }) => c.hold_for_prefix,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(mode(json!("auto")), HoldForPrefix::Auto);
+        assert_eq!(mode(json!("always")), HoldForPrefix::Always);
+        assert_eq!(mode(json!(true)), HoldForPrefix::Always);
+        assert_eq!(mode(json!("never")), HoldForPrefix::Never);
+        assert_eq!(mode(json!(false)), HoldForPrefix::Never);
+        let errors = with(json!("sometimes")).unwrap_err().0;
+        assert!(
+            errors.iter().any(|e| e.path.ends_with("policy.hold_for_prefix") && e.message.contains("always")),
+            "{errors:?}"
+        );
+        assert!(with(json!(1)).is_err());
+    }
+
+    #[test]
     fn the_prefix_index_section_and_event_endpoints_are_checked_by_path() {
         let mut v = minimal();
         v["workers"][0]["kv_events"] = json!("tcp://127.0.0.1:5557");

@@ -606,13 +606,56 @@ pub struct CacheAwareConfig {
     /// Budget of the prefix index, in tokens, per model.
     #[serde(default = "defaults::max_tree_tokens")]
     pub max_tree_tokens: u64,
-    /// A request whose cached prefix the router sent its engine behind work still unanswered there
-    /// waits at the router (at most 1 s) until the engine has answered that work. For engines that
-    /// admit every waiting request into one prefill batch and match their cache when they schedule
-    /// (SGLang's `fcfs`): a request batched with the one that brings its prefix prefills it again.
-    /// An engine that prefills one request at a time loses the request its place instead.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub hold_for_prefix: bool,
+    /// Whether a request whose cached prefix the router sent its engine behind work still unanswered
+    /// there waits at the router (at most 1 s) until the engine has answered that work.
+    #[serde(default, skip_serializing_if = "HoldForPrefix::is_auto")]
+    pub hold_for_prefix: HoldForPrefix,
+}
+
+/// When a hit waits for its engine to start on its prefix. Engines that admit every waiting request
+/// into one prefill batch and match their cache when they schedule (SGLang's `fcfs`) prefill the
+/// prefix again for a request batched with the one that brings it; an engine that prefills one
+/// request at a time in arrival order serves it the prefix anyway, and holding it only loses it
+/// its place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldForPrefix {
+    /// On engines whose first bytes showed them batching their prefill.
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+impl HoldForPrefix {
+    fn is_auto(&self) -> bool {
+        *self == HoldForPrefix::Auto
+    }
+}
+
+/// `auto`, `always` or `never`; `true` and `false` are `always` and `never`.
+impl<'de> Deserialize<'de> for HoldForPrefix {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Mode;
+        impl serde::de::Visitor<'_> for Mode {
+            type Value = HoldForPrefix;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("`auto`, `always`, `never`, or a boolean")
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<HoldForPrefix, E> {
+                Ok(if v { HoldForPrefix::Always } else { HoldForPrefix::Never })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<HoldForPrefix, E> {
+                match v {
+                    "auto" => Ok(HoldForPrefix::Auto),
+                    "always" => Ok(HoldForPrefix::Always),
+                    "never" => Ok(HoldForPrefix::Never),
+                    other => Err(E::unknown_variant(other, &["auto", "always", "never"])),
+                }
+            }
+        }
+        deserializer.deserialize_any(Mode)
+    }
 }
 
 impl Default for CacheAwareConfig {
@@ -630,7 +673,7 @@ impl Default for CacheAwareConfig {
             worker_queue_limit: None,
             saturation_floor: None,
             min_load_choices: defaults::min_load_choices(),
-            hold_for_prefix: false,
+            hold_for_prefix: HoldForPrefix::Auto,
             max_tree_tokens: defaults::max_tree_tokens(),
         }
     }

@@ -4,8 +4,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{
-    AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, LoadSource, PolicyConfig, QueueConfig,
-    RouterConfig, UpstreamMode, MAX_QUEUE_REQUESTS, MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
+    AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, HoldForPrefix, LoadSource, PolicyConfig,
+    QueueConfig, RouterConfig, UpstreamMode, MAX_QUEUE_REQUESTS, MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
 };
 use crate::registry::EngineAddress;
 use crate::registry::Role;
@@ -382,10 +382,10 @@ impl GroupCheck<'_, '_> {
                 self.errors.push(ConfigError::new(format!("{path}.min_load_choices"), "must be at least 1"));
             }
             positive(self.errors, &format!("{path}.max_tree_tokens"), c.max_tree_tokens);
-            if c.hold_for_prefix && c.source == CacheSourceKind::Remote {
+            if c.hold_for_prefix == HoldForPrefix::Always && c.source == CacheSourceKind::Remote {
                 self.errors.push(ConfigError::new(
                     format!("{path}.hold_for_prefix"),
-                    "holds on when the router itself sent a prefix: only with `source: local`",
+                    "holds on when the router itself sent a prefix: `always` only with `source: local`",
                 ));
             }
             if c.source == CacheSourceKind::Remote && self.config.prefix_index.is_none() {

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use super::admission::AdmissionGate;
 use super::pressure::{wait_and_rate, PREFILL_QUANTUM_TOKENS};
 use super::{Pick, PickError, PickReason, PickRequest, Policy, RandomSource};
-use crate::config::CacheAwareConfig;
+use crate::config::{CacheAwareConfig, HoldForPrefix};
 use crate::host::{Host, HostError};
 use crate::protocol::indexer::PrefixHit;
 use crate::registry::Engine;
@@ -305,13 +305,17 @@ impl CacheAwarePolicy {
 
     /// When the router sent `hit`'s prefix to its engine, if the engine has not started on that
     /// dispatch: serving first come first, it has not while a dispatch started before it waits
-    /// unanswered there. A prefix the engine itself reported (`sent_ms` 0) is held. Asked only
-    /// with `hold_for_prefix`; `priced` is the engine's load as this pick already read it, if it did.
+    /// unanswered there. Asked only where `hold_for_prefix` holds: `always`, or `auto` on an engine
+    /// seen to batch its prefill. A prefix the engine itself reported (`sent_ms` 0) is never held.
+    /// `priced` is the engine's load as this pick already read it, if it did.
     fn unstarted(&self, hit: &PrefixHit, priced: impl FnOnce() -> Option<LocalLoad>) -> Option<u64> {
-        if !self.config.hold_for_prefix || hit.sent_ms == 0 {
+        if self.config.hold_for_prefix == HoldForPrefix::Never || hit.sent_ms == 0 {
             return None;
         }
         let local = priced().unwrap_or_else(|| self.gate.inflight.local_load(&hit.engine));
+        if self.config.hold_for_prefix == HoldForPrefix::Auto && !local.batching.batches() {
+            return None;
+        }
         let oldest = local.unanswered?;
         let started_ms = self.gate.inflight.now_ms().saturating_sub(oldest.ms);
         (started_ms < hit.sent_ms).then_some(hit.sent_ms)
@@ -559,7 +563,7 @@ mod tests {
     use crate::config::{AdmissionLimits, PressureGuard};
     use crate::policies::{Limit, Rejection, SeededRandom};
     use crate::registry::Role;
-    use crate::state::load_monitor::{InflightTable, MemoryInflight, PrefillWork, Sample, Waiting};
+    use crate::state::load_monitor::{FirstByte, InflightTable, MemoryInflight, PrefillWork, Sample, Waiting};
     use crate::testing::*;
 
     #[test]
@@ -940,9 +944,26 @@ mod tests {
             let tokens = 100 + (i % 5) * 700;
             s.inflight.acquire(worker, PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
             let ms = 5 + (tokens as f64 / tokens_per_ms) as u64;
-            s.inflight.first_byte(worker, tokens, Some(Sample { tokens, ms }), 20.0);
+            s.inflight.first_byte(
+                worker,
+                FirstByte { prefill_tokens: tokens, sent_ms: 0, sample: Some(Sample { tokens, ms }) },
+                20.0,
+            );
             s.inflight.release(worker, 0, ms);
         }
+    }
+
+    /// `worker` answered requests that waited there together at once, as an engine prefilling them
+    /// in one batch does.
+    fn answered_in_batches(s: &State, worker: &str) {
+        let now = s.inflight.now_ms();
+        for _ in 0..6 {
+            s.inflight.acquire(worker, PrefillWork { tokens: 400, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
+            let sample = Some(Sample { tokens: 400, ms: 40 });
+            s.inflight.first_byte(worker, FirstByte { prefill_tokens: 400, sent_ms: now - 40, sample }, 20.0);
+            s.inflight.release(worker, 0, 50);
+        }
+        assert!(s.inflight.local_load(worker).batching.batches());
     }
 
     /// Two idle engines, and a policy for which neither holds anything: the fallback's exact
@@ -1034,8 +1055,14 @@ mod tests {
     #[test]
     fn a_hit_says_when_its_prefix_was_sent_while_work_sent_before_it_waits_unanswered() {
         let s = State::new();
-        let hold = tuned(|c| c.hold_for_prefix = true);
-        let off = policy(&s, Fixed::sent(&[("A", 900, 50)]), tuned(|_| {}), AdmissionLimits::default());
+        let hold = tuned(|c| c.hold_for_prefix = HoldForPrefix::Always);
+        let off = policy(
+            &s,
+            Fixed::sent(&[("A", 900, 50)]),
+            tuned(|c| c.hold_for_prefix = HoldForPrefix::Never),
+            AdmissionLimits::default(),
+        );
+        let auto = policy(&s, Fixed::sent(&[("A", 900, 50)]), tuned(|_| {}), AdmissionLimits::default());
         let p = policy(&s, Fixed::sent(&[("A", 900, 50)]), hold.clone(), AdmissionLimits::default());
         let unstarted = |p: &CacheAwarePolicy| {
             let hit = pick(p, &["A", "B"], 1000).unwrap();
@@ -1048,6 +1075,10 @@ mod tests {
         s.inflight.awaiting("A", ahead);
         assert_eq!(unstarted(&p), Some(50), "a dispatch sent before it still waits");
         assert_eq!(unstarted(&off), None, "not asked for");
+        assert_eq!(unstarted(&auto), None, "by default, not before A is seen to batch");
+        answered_in_batches(&s, "A");
+        assert_eq!(unstarted(&auto), Some(50), "A batches");
+        assert_eq!(unstarted(&off), None);
         s.inflight.awaiting("B", Waiting { since_ms: 10, tokens: 500 });
         s.inflight.answered("A", ahead);
         s.inflight.awaiting("A", Waiting { since_ms: 50, tokens: 900 });

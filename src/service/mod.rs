@@ -316,13 +316,15 @@ impl ServiceCore {
     fn gauges(&mut self, now: u64) -> Vec<(String, u64)> {
         self.inflight.sync_if_due();
         let snapshot = self.load.table().snapshot(now, self.config.load.stale_after_ms);
-        let mut gauges = Vec::with_capacity(4 * self.workers.len() + 8);
+        let mut gauges = Vec::with_capacity(6 * self.workers.len() + 8);
         for id in std::mem::take(&mut self.retired) {
             let id = label(&id);
             gauges.push((format!("sgl_router_inflight.worker.{id}"), 0));
             gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), 0));
             gauges.push((format!("sgl_router_prefill_tokens_per_s.worker.{id}"), 0));
             gauges.push((format!("sgl_router_first_byte_overhead_ms.worker.{id}"), 0));
+            gauges.push((format!("sgl_router_batched_first_bytes_pct.worker.{id}"), 0));
+            gauges.push((format!("sgl_router_prefill_batches.worker.{id}"), 0));
         }
         let prior = self.config.load.prefill_tokens_per_s / 1000.0;
         let mut fresh = 0;
@@ -335,6 +337,8 @@ impl ServiceCore {
             gauges
                 .push((format!("sgl_router_prefill_tokens_per_s.worker.{id}"), (speed.tokens_per_ms * 1000.0) as u64));
             gauges.push((format!("sgl_router_first_byte_overhead_ms.worker.{id}"), speed.overhead_ms as u64));
+            gauges.push((format!("sgl_router_batched_first_bytes_pct.worker.{id}"), local.batching.together_pct()));
+            gauges.push((format!("sgl_router_prefill_batches.worker.{id}"), u64::from(local.batching.batches())));
             let has_report = snapshot.get(&w.id).is_some();
             fresh += u64::from(has_report);
             gauges.push((format!("sgl_router_fresh_load_report.worker.{id}"), u64::from(has_report)));

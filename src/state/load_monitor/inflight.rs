@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::batching::{Batching, Pair};
 use super::fleet::{EngineFit, Prior};
 use super::speed::{Sample, Speed, SpeedFit};
 use super::unanswered::{Unanswered, Waited, Waiting};
@@ -21,6 +22,15 @@ pub struct PrefillWork {
     pub tokens_per_ms: f64,
     pub ahead: u64,
     pub slot_wait_ms: u64,
+}
+
+/// A dispatch's first byte: the dispatch sent at `sent_ms` brought `prefill_tokens` uncached
+/// tokens, and `sample` is its time when the byte followed its first token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FirstByte {
+    pub prefill_tokens: u64,
+    pub sent_ms: u64,
+    pub sample: Option<Sample>,
 }
 
 impl PrefillWork {
@@ -45,6 +55,8 @@ pub struct LocalLoad {
     pub speed: SpeedFit,
     /// The longest-waiting dispatch whose first byte will time the engine and has not come yet.
     pub unanswered: Option<Waited>,
+    /// Whether the engine's first bytes showed it prefilling waiting requests in one batch.
+    pub batching: Batching,
 }
 
 impl LocalLoad {
@@ -74,10 +86,9 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     /// wait, answered or not).
     fn awaiting(&self, worker: &str, waiting: Waiting);
     fn answered(&self, worker: &str, waiting: Waiting);
-    /// A dispatch that brought `prefill_tokens` got its first byte back: its prefill is done, and
-    /// `sample` (when its first byte followed its first token) teaches the engine's speed, on
-    /// `prior_tokens_per_ms` while little is known.
-    fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64);
+    /// A dispatch got its first byte back: its prefill is done, and a timed one teaches the
+    /// engine's speed, on `prior_tokens_per_ms` while little is known, and whether it batches.
+    fn first_byte(&self, worker: &str, answer: FirstByte, prior_tokens_per_ms: f64);
     /// Ends a dispatch whose `prefill_tokens` are still outstanding (none after its first byte)
     /// and that held the engine `held_ms`; never goes below zero.
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64);
@@ -212,7 +223,8 @@ impl InflightGuard {
         let waited = self.waiting();
         let sample =
             timed.then(|| Sample { tokens: waited.tokens, ms: self.table.now_ms().saturating_sub(waited.since_ms) });
-        self.table.first_byte(&self.worker, self.work.tokens, sample, self.prior_tokens_per_ms);
+        let answer = FirstByte { prefill_tokens: self.work.tokens, sent_ms: self.started_ms, sample };
+        self.table.first_byte(&self.worker, answer, self.prior_tokens_per_ms);
     }
 }
 
@@ -257,6 +269,7 @@ pub(super) struct Record {
     pub(super) speed: SpeedFit,
     /// The oldest of the VM's dispatches still waiting for a timing first byte.
     pub(super) waiting: Option<Waiting>,
+    pub(super) batching: Batching,
 }
 
 impl Record {
@@ -269,11 +282,22 @@ impl Record {
         self.queue.add(now_ms, left, work);
     }
 
-    pub(super) fn first_byte(&mut self, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
-        self.outstanding_tokens = self.outstanding_tokens.saturating_sub(prefill_tokens);
-        if let Some(sample) = sample {
-            self.speed.observe(sample, prior_tokens_per_ms);
+    /// `answer` came at `now_ms`; a timed one is compared with the VM's previous timed one from
+    /// the engine, which `unanswered` keeps (`batching.rs`).
+    pub(super) fn first_byte(
+        &mut self,
+        now_ms: u64,
+        answer: FirstByte,
+        unanswered: &mut Unanswered,
+        prior_tokens_per_ms: f64,
+    ) {
+        self.outstanding_tokens = self.outstanding_tokens.saturating_sub(answer.prefill_tokens);
+        let Some(sample) = answer.sample else { return };
+        if let Some(previous_ms) = unanswered.timed_answer(now_ms) {
+            let own_ms = answer.prefill_tokens as f64 / self.speed.speed(prior_tokens_per_ms).tokens_per_ms;
+            self.batching.observe(Pair { sent_ms: answer.sent_ms, previous_ms, now_ms, own_ms });
         }
+        self.speed.observe(sample, prior_tokens_per_ms);
     }
 
     pub(super) fn release(&mut self, prefill_tokens: u64, held_ms: u64) {
@@ -321,6 +345,7 @@ impl Record {
             hold_ms: (self.hold_ms > 0.0).then_some(self.hold_ms),
             speed: self.speed,
             unanswered: self.waiting.map(|w| w.at(now_ms)),
+            batching: self.batching,
         }
     }
 }
@@ -353,9 +378,11 @@ impl InflightTable for MemoryInflight {
         }
     }
 
-    fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
+    fn first_byte(&self, worker: &str, answer: FirstByte, prior_tokens_per_ms: f64) {
+        let now = self.now_ms.load(Ordering::SeqCst);
         if let Ok(mut c) = self.records.lock() {
-            c.entry(worker.to_string()).or_default().0.first_byte(prefill_tokens, sample, prior_tokens_per_ms);
+            let (r, u) = c.entry(worker.to_string()).or_default();
+            r.first_byte(now, answer, u, prior_tokens_per_ms);
         }
     }
 

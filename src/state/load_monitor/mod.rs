@@ -2,6 +2,7 @@
 //! engines' reports into a [`LoadTable`] and publishes it; policies read it through [`LoadView`],
 //! and count dispatches through [`InflightTable`].
 
+mod batching;
 mod fleet;
 mod inflight;
 mod poller;
@@ -12,8 +13,9 @@ mod speed;
 mod table;
 mod unanswered;
 
+pub use batching::{Batching, Pair};
 pub use fleet::{EngineFit, Prior};
-pub use inflight::{InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork};
+pub use inflight::{FirstByte, InflightGuard, InflightTable, LocalLoad, MemoryInflight, PrefillWork};
 pub use poller::{LoadPoller, ReportEndpoint};
 pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, ReportError, ReportKind};
 pub use shared_inflight::{SharedInflight, SYNC_MS};

@@ -19,9 +19,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::batching::Batching;
 use super::fleet::EngineFit;
-use super::inflight::{InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
-use super::speed::{Sample, SpeedFit};
+use super::inflight::{FirstByte, InflightTable, LocalLoad, PrefillQueue, PrefillWork, Record};
+use super::speed::SpeedFit;
 use super::unanswered::{Unanswered, Waiting};
 use crate::host::{Host, HostError};
 use crate::state::schedule::Period;
@@ -32,13 +33,13 @@ use crate::state::{keys, vm_registry};
 pub const SYNC_MS: u64 = 5;
 
 /// Leads each VM's key: an empty value would read back as absent.
-const SHARE_HEADER: [u8; 8] = *b"sglinf05";
+const SHARE_HEADER: [u8; 8] = *b"sglinf06";
 /// Leads the dead VMs' folded totals, which only the service writes.
-const RETIRED_HEADER: [u8; 8] = *b"sglret04";
-const RECORD_WORDS: usize = 16;
-const RETIRED_WORDS: usize = 8;
+const RETIRED_HEADER: [u8; 8] = *b"sglret05";
+const RECORD_WORDS: usize = 18;
+const RETIRED_WORDS: usize = 10;
 
-/// A dead VM's speed samples count this much less each time another VM dies: a line of restarts
+/// A dead VM's speed samples and batching pairs count this much less each time another VM dies: a line of restarts
 /// leaves the fit what the live VMs see plus at most about two VMs' worth of history.
 const RETIRED_SPEED_DECAY: f64 = 0.5;
 
@@ -102,6 +103,7 @@ fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
     let q = &r.queue;
     let [a, b, c, d, e, f] = r.speed.words();
     let [since, waited] = Waiting::words(r.waiting);
+    let [together, apart] = r.batching.words();
     [
         r.inflight,
         r.total,
@@ -119,6 +121,8 @@ fn record_row(r: &Record) -> [u64; RECORD_WORDS] {
         f,
         since,
         waited,
+        together,
+        apart,
     ]
 }
 
@@ -139,20 +143,24 @@ fn row_record(w: [u64; RECORD_WORDS]) -> Record {
         hold_ms: f64::from_bits(w[7]),
         speed: speed_words(&w[8..14]),
         waiting: Waiting::from_words([w[14], w[15]]),
+        batching: Batching::from_words([w[16], w[17]]),
     }
 }
 
-/// What the dead VMs leave: their dispatch totals, and what they learned of each engine's speed.
+/// What the dead VMs leave: their dispatch totals, and what they learned of each engine's speed
+/// and batching.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Retired {
     total: u64,
     prefilled: u64,
     speed: SpeedFit,
+    batching: Batching,
 }
 
 fn retired_row(r: &Retired) -> [u64; RETIRED_WORDS] {
     let [a, b, c, d, e, f] = r.speed.words();
-    [r.total, r.prefilled, a, b, c, d, e, f]
+    let [together, apart] = r.batching.words();
+    [r.total, r.prefilled, a, b, c, d, e, f, together, apart]
 }
 
 /// A VM's published records, by `index`'s positions (absent workers: zero), or `None` for a value
@@ -171,7 +179,12 @@ fn decode_retired(bytes: &[u8], index: &hashbrown::HashMap<String, usize>) -> Ve
     let mut out = vec![Retired::default(); index.len()];
     for (slot, row) in decode_rows::<RETIRED_WORDS>(bytes, &RETIRED_HEADER, index).unwrap_or_default() {
         if let Some(s) = out.get_mut(slot) {
-            *s = Retired { total: row[0], prefilled: row[1], speed: speed_words(&row[2..]) };
+            *s = Retired {
+                total: row[0],
+                prefilled: row[1],
+                speed: speed_words(&row[2..8]),
+                batching: Batching::from_words([row[8], row[9]]),
+            };
         }
     }
     out
@@ -206,6 +219,7 @@ fn fold(sum: &mut Record, other: &Record, now_ms: u64) {
     sum.hold_ms = hold_ms;
     sum.speed = sum.speed.merged(&other.speed);
     sum.waiting = Waiting::older(sum.waiting, other.waiting);
+    sum.batching = sum.batching.merged(&other.batching);
 }
 
 #[derive(Debug)]
@@ -290,6 +304,7 @@ impl SharedInflight {
                 s.total = s.total.saturating_add(r.total);
                 s.prefilled = s.prefilled.saturating_add(r.prefilled);
                 s.speed = s.speed.merged(&r.speed);
+                s.batching = s.batching.merged(&r.batching);
             }
         }
         Ok(sum)
@@ -315,6 +330,7 @@ impl SharedInflight {
                 slot.total = slot.total.saturating_add(r.total);
                 slot.prefilled = slot.prefilled.saturating_add(r.prefilled);
                 slot.speed = slot.speed.scaled(RETIRED_SPEED_DECAY).merged(&r.speed);
+                slot.batching = slot.batching.scaled(RETIRED_SPEED_DECAY).merged(&r.batching);
                 dropped = dropped.saturating_add(r.inflight);
             }
             emptied.push(key);
@@ -411,8 +427,9 @@ impl InflightTable for SharedInflight {
         self.with_own(worker, |r, u| r.track(u, |u| u.answered(waiting)));
     }
 
-    fn first_byte(&self, worker: &str, prefill_tokens: u64, sample: Option<Sample>, prior_tokens_per_ms: f64) {
-        self.with_own(worker, |r, _| r.first_byte(prefill_tokens, sample, prior_tokens_per_ms));
+    fn first_byte(&self, worker: &str, answer: FirstByte, prior_tokens_per_ms: f64) {
+        let now = self.host.now_ms();
+        self.with_own(worker, |r, u| r.first_byte(now, answer, u, prior_tokens_per_ms));
     }
 
     fn release(&self, worker: &str, prefill_tokens: u64, held_ms: u64) {
@@ -468,6 +485,7 @@ impl InflightTable for SharedInflight {
 #[cfg(test)]
 mod tests {
     use super::super::inflight::averaged;
+    use super::super::speed::Sample;
     use super::*;
     use crate::host::MemoryHost;
     use crate::testing::test;
@@ -653,7 +671,8 @@ mod tests {
         for i in 0..n {
             let tokens = 100 + (i % 7) * 500;
             vm.acquire("A", PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
-            vm.first_byte("A", tokens, Some(Sample { tokens, ms: 10 + tokens / 5 }), 20.0);
+            let sample = Some(Sample { tokens, ms: 10 + tokens / 5 });
+            vm.first_byte("A", FirstByte { prefill_tokens: tokens, sent_ms: 0, sample }, 20.0);
             vm.release("A", 0, 50);
         }
     }
@@ -724,5 +743,49 @@ mod tests {
         let left = third.local_load("A").speed.weight();
         assert!(left < weight && left > weight * 0.7, "{left} of {weight}");
         assert!((rate(&third) - 5.0).abs() < 0.25);
+    }
+
+    /// `vm` sends `n` pairs of 400-token requests to A at once; the engine answers each pair at
+    /// once when `batched`, else one at a time.
+    fn batch_pairs(host: &MemoryHost, vm: &SharedInflight, n: u64, batched: bool) {
+        let work = PrefillWork { tokens: 400, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
+        for _ in 0..n {
+            let sent_ms = host.now_ms();
+            for gap_ms in [50, if batched { 0 } else { 40 }] {
+                vm.acquire("A", work);
+                host.set_now_ms(host.now_ms() + gap_ms);
+                let sample = Some(Sample { tokens: 400, ms: host.now_ms() - sent_ms });
+                vm.first_byte("A", FirstByte { prefill_tokens: 400, sent_ms, sample }, 20.0);
+                vm.release("A", 0, 100);
+            }
+        }
+    }
+
+    #[test]
+    fn every_vm_sees_an_engine_batch_and_a_restart_keeps_it() {
+        let host = Arc::new(MemoryHost::default());
+        let (vm1, vm2) = (vm(&host, 1), vm(&host, 2));
+        batch_pairs(&host, &vm1, 2, true);
+        batch_pairs(&host, &vm2, 2, true);
+        assert!(!vm1.local_load("A").batching.batches(), "two pairs together: not yet");
+        vm1.sync();
+        vm2.sync();
+        assert!(vm2.local_load("A").batching.batches(), "four over both VMs");
+        assert!(!vm2.local_load("B").batching.batches());
+        vm_registry::heartbeat(host.as_ref(), 3, 20_000, true).unwrap();
+        vm_registry::sweep(host.as_ref(), 20_000).unwrap();
+        SharedInflight::new(Arc::clone(&host) as Arc<dyn Host>, 0, WORKERS).reclaim(&[1, 2]).unwrap();
+        let third = vm(&host, 3);
+        third.sync();
+        assert!(third.local_load("A").batching.batches(), "the dead VMs' pairs are kept");
+    }
+
+    #[test]
+    fn an_engine_answering_one_at_a_time_is_not_seen_to_batch() {
+        let host = Arc::new(MemoryHost::default());
+        let vm1 = vm(&host, 1);
+        batch_pairs(&host, &vm1, 50, false);
+        let seen = vm1.local_load("A").batching;
+        assert!(!seen.batches() && seen.together_pct() == 0, "{seen:?}");
     }
 }

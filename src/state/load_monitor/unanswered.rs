@@ -53,13 +53,20 @@ pub struct Waited {
     pub tokens: u64,
 }
 
-/// One VM's unanswered dispatches to one engine, oldest first.
+/// One VM's unanswered dispatches to one engine, oldest first, and when its latest timed first
+/// byte from there came (the next one is compared with it: `batching.rs`).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Unanswered {
     entries: VecDeque<Waiting>,
+    last_answer_ms: Option<u64>,
 }
 
 impl Unanswered {
+    /// A timed first byte came at `now_ms`: when the one before it came, if one did.
+    pub(super) fn timed_answer(&mut self, now_ms: u64) -> Option<u64> {
+        self.last_answer_ms.replace(now_ms)
+    }
+
     pub(super) fn add(&mut self, w: Waiting) {
         if self.entries.len() < MAX_TRACKED {
             self.entries.push_back(w);
