@@ -372,45 +372,92 @@ fn the_router_learns_which_engine_prefills_slower_and_sends_it_less_prefill() {
     assert!((1_000.0..6_000.0).contains(&slow), "S prefills 2,000 tokens/s: learned {slow}");
 }
 
+/// A streamed chat request in the background; its status when it is done.
+fn streamed(d: &Deployment, content: String) -> std::thread::JoinHandle<u16> {
+    let url = d.envoy.url("/v1/chat/completions");
+    std::thread::spawn(move || {
+        let body = chat_body(&content, 2, true);
+        let mut r = agent().post(&url).header("content-type", "application/json").send(body.to_string()).unwrap();
+        let status = r.status().as_u16();
+        let _ = r.body_mut().read_to_string();
+        status
+    })
+}
+
+/// One engine prefilling 2,000 tokens/s (`--prefill-batching` when `batching`), behind a
+/// cache-aware policy with `hold_for_prefix` as `hold` gives it (absent: the default).
+fn hold_deployment(name: &str, batching: bool, hold: Option<Value>) -> Deployment {
+    let mut extra = vec!["--prefill-tps".into(), "2000".into()];
+    if batching {
+        extra.push("--prefill-batching".into());
+    }
+    let slow = SimSpec { token_delay_ms: 1, extra, ..SimSpec::plain("A") };
+    let d = Deployment::start(name, vec![slow], |sims| {
+        let mut policy = json!({"type": "cache_aware", "min_hit_tokens": 64});
+        if let Some(hold) = hold {
+            policy["hold_for_prefix"] = hold;
+        }
+        let mut router = plain_with(sims, json!([{"id": "all", "groups": {"plain": {"policy": policy}}}]));
+        router["load"] = json!({"source": "sglang_get_load", "interval_ms": 100, "prefill_tokens_per_s": 2000});
+        router
+    });
+    d.wait_for_service(1);
+    d
+}
+
+/// Work ahead of a system prompt at the engine, then a request hitting that prompt, then another
+/// once nothing is ahead of it any more; how many requests were held, when all are answered.
+fn hits_behind_work(d: &Deployment) -> f64 {
+    let holds = || d.envoy.metric("sgl_router_prefix_hold_ms_count{}").unwrap_or(0.0);
+    let before = holds();
+    let system = "a shared system prompt ".repeat(60);
+    // Work ahead: about half a second of prefill. Then the prefix, queued behind it.
+    let ahead = streamed(d, "lorem ipsum ".repeat(500));
+    std::thread::sleep(Duration::from_millis(100));
+    let first = streamed(d, format!("{system} first"));
+    // The prefix reaches every VM's index.
+    std::thread::sleep(Duration::from_millis(150));
+    let sibling = streamed(d, format!("{system} second"));
+    assert_eq!([ahead, first, sibling].map(|h| h.join().unwrap()), [200; 3]);
+    // Nothing ahead of the prefix now: the next sibling goes at once.
+    assert_eq!(streamed(d, format!("{system} third")).join().unwrap(), 200);
+    // Envoy merges its workers' histograms when it flushes stats, every 5 s.
+    std::thread::sleep(Duration::from_secs(6));
+    holds() - before
+}
+
 /// SGLang matches its cache when it schedules a request, so a request sent while the one that
 /// brings its prefix still waits behind other work would be scheduled with it and prefill the
 /// prefix again. The filter holds it until the engine has answered that work, and only then.
 #[test]
 fn a_hit_waits_at_the_router_until_its_engine_started_on_the_prefix() {
-    let slow = SimSpec { token_delay_ms: 1, extra: vec!["--prefill-tps".into(), "2000".into()], ..SimSpec::plain("A") };
-    let d = Deployment::start("prefix_hold", vec![slow], |sims| {
-        let mut router = plain_with(
-            sims,
-            json!([{"id": "all", "groups": {"plain": {"policy": {
-                "type": "cache_aware", "min_hit_tokens": 64, "hold_for_prefix": true}}}}]),
-        );
-        router["load"] = json!({"source": "sglang_get_load", "interval_ms": 100, "prefill_tokens_per_s": 2000});
-        router
-    });
-    d.wait_for_service(1);
-    let streamed = |content: String| {
-        let url = d.envoy.url("/v1/chat/completions");
-        std::thread::spawn(move || {
-            let body = chat_body(&content, 2, true);
-            let mut r = agent().post(&url).header("content-type", "application/json").send(body.to_string()).unwrap();
-            let status = r.status().as_u16();
-            let _ = r.body_mut().read_to_string();
-            status
-        })
-    };
-    let system = "a shared system prompt ".repeat(60);
-    // Work ahead: about half a second of prefill. Then the prefix, queued behind it.
-    let ahead = streamed("lorem ipsum ".repeat(500));
-    std::thread::sleep(Duration::from_millis(100));
-    let first = streamed(format!("{system} first"));
-    // The prefix reaches every VM's index.
-    std::thread::sleep(Duration::from_millis(150));
-    let sibling = streamed(format!("{system} second"));
-    let holds = || d.envoy.metric("sgl_router_prefix_hold_ms_count{}");
-    assert_eq!([ahead, first, sibling].map(|h| h.join().unwrap()), [200; 3]);
-    wait_for("the hold counted", Duration::from_secs(15), || (holds()? >= 1.0).then_some(()));
-    // Nothing ahead of the prefix now: the next sibling goes at once.
-    assert_eq!(streamed(format!("{system} third")).join().unwrap(), 200);
-    std::thread::sleep(Duration::from_secs(6));
-    assert_eq!(holds(), Some(1.0), "held once");
+    let d = hold_deployment("prefix_hold", false, Some(json!("always")));
+    assert_eq!(hits_behind_work(&d), 1.0, "the sibling held, the third not");
+}
+
+/// By default the filter holds only at an engine whose first bytes showed it batching: requests
+/// that waited there together answer together. Rounds of four distinct prompts at once: the first
+/// has the prefill lane to itself, the other three wait for its next turn.
+#[test]
+fn by_default_a_hit_is_held_only_at_an_engine_seen_to_batch_its_prefill() {
+    for batching in [true, false] {
+        let d = hold_deployment("prefix_hold_auto", batching, None);
+        let seen = || d.envoy.metric(r#"sgl_router_prefill_batches{worker="A"}"#);
+        for round in 0..6 {
+            let all: Vec<_> =
+                (0..4).map(|i| streamed(&d, format!("round {round} prompt {i} {}", "lorem ".repeat(150)))).collect();
+            assert!(all.into_iter().all(|h| h.join().unwrap() == 200));
+        }
+        // The service publishes its gauges every second.
+        let pct = wait_for("the verdict exported", Duration::from_secs(5), || {
+            let pct = d.envoy.metric(r#"sgl_router_batched_first_bytes_pct{worker="A"}"#)?;
+            (seen()? == f64::from(u8::from(batching))).then_some(pct)
+        });
+        if batching {
+            assert!(pct >= 20.0, "{pct} % of pairs together");
+        } else {
+            assert_eq!(pct, 0.0, "one prefill at a time never answers two together");
+        }
+        assert_eq!(hits_behind_work(&d), f64::from(u8::from(batching)), "batching: {batching}");
+    }
 }

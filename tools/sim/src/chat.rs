@@ -243,8 +243,8 @@ async fn serve(
     let choices = (api.params(&body).get("n").and_then(Value::as_u64).unwrap_or(1) * prompts).clamp(1, 128);
     let budget = api.budget(&body);
 
-    // Prefill: the uncached part of the prompt at the engine's throughput, one prefill at a
-    // time; then the rooms are ready for their decode engines.
+    // Prefill: the uncached part of the prompt at the engine's throughput, one prefill (or one
+    // batch) at a time; then the rooms are ready for their decode engines.
     let cached = if engine.role == Role::Decode {
         prompt_ids.len() as u64
     } else {
@@ -255,17 +255,8 @@ async fn serve(
         served.cached_tokens
     };
     let uncached = (prompt_ids.len() as u64).saturating_sub(cached);
-    let marks = {
-        let _prefill = engine.prefill_lock.lock().await;
-        let laned = std::time::Instant::now();
-        let busy = engine.prefill_time(uncached);
-        tokio::time::sleep(busy).await;
-        engine.prefill_tokens_total.fetch_add(uncached, Ordering::SeqCst);
-        engine
-            .prefill_busy_us_total
-            .fetch_add(u64::try_from(busy.as_micros()).unwrap_or(u64::MAX).max(1), Ordering::SeqCst);
-        trace::Marks { arrived, slotted, laned, prefilled: std::time::Instant::now() }
-    };
+    let (laned, prefilled) = engine.prefill(uncached).await;
+    let marks = trace::Marks { arrived, slotted, laned, prefilled };
     // Written once the prefill lane is free: the file's I/O must not delay the next prefill.
     engine.trace.write(&engine.id, received_ms, marks, prompt_ids.len() as u64, cached, prompt_ids.get(3).copied());
     let tokens = if engine.role == Role::Prefill {

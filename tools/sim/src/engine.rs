@@ -69,6 +69,11 @@ pub struct Args {
     /// Prefill throughput: uncached prompt tokens processed per second (one prefill at a time).
     #[arg(long, default_value_t = 50_000.0)]
     pub prefill_tps: f64,
+    /// Requests that reach the prefill lane while it is busy are prefilled together in its next
+    /// turn, one batch that answers their first tokens at once, as SGLang's scheduler does;
+    /// without it, one prefill at a time.
+    #[arg(long)]
+    pub prefill_batching: bool,
     /// Each decode step takes this much longer per other running request (0.02 = 2 %).
     #[arg(long, default_value_t = 0.02)]
     pub batch_slowdown: f64,
@@ -147,6 +152,13 @@ pub struct RequestRecord {
 
 const RECENT_REQUESTS: usize = 256;
 
+/// Requests prefilled in one turn of the lane: their uncached tokens, and when the lane took them
+/// up and finished (set once, by the request that waited for the lane).
+struct Batch {
+    tokens: AtomicU64,
+    done: tokio::sync::watch::Sender<Option<(std::time::Instant, std::time::Instant)>>,
+}
+
 pub struct Engine {
     pub id: String,
     pub model: String,
@@ -175,6 +187,8 @@ pub struct Engine {
     rank_counts: Vec<(AtomicU64, AtomicU64)>,
     /// One prefill at a time, as an engine's prefill batch runs.
     pub prefill_lock: tokio::sync::Mutex<()>,
+    /// With `--prefill-batching`: the batch gathering for the lane's next turn.
+    forming: Mutex<Option<Arc<Batch>>>,
     pub chat_requests: AtomicU64,
     fault_rng: AtomicU64,
     /// Requests that can be aborted by id, and the ids aborts named.
@@ -219,6 +233,7 @@ impl Engine {
             next_rank: AtomicU64::new(0),
             rank_counts: (0..args.dp_size.max(1)).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
             prefill_lock: tokio::sync::Mutex::new(()),
+            forming: Mutex::new(None),
             chat_requests: AtomicU64::new(0),
             aborts: crate::abort::Aborts::default(),
             trace: crate::trace::Trace::default(),
@@ -307,6 +322,51 @@ impl Engine {
         let base = self.control().token_delay_ms as f64;
         let others = self.running.load(Ordering::SeqCst).saturating_sub(1) as f64;
         self.scaled(base * (1.0 + self.args.batch_slowdown * others))
+    }
+
+    /// Prefills `uncached` tokens on the lane: alone, or with `--prefill-batching` in the batch
+    /// gathering for the lane's next turn. Returns when the lane took it up and when it was done.
+    pub async fn prefill(&self, uncached: u64) -> (std::time::Instant, std::time::Instant) {
+        if !self.args.prefill_batching {
+            let _lane = self.prefill_lock.lock().await;
+            let laned = std::time::Instant::now();
+            self.run_prefill(uncached).await;
+            return (laned, std::time::Instant::now());
+        }
+        let (batch, leads) = {
+            let mut forming = self.forming.lock().unwrap_or_else(|e| e.into_inner());
+            match forming.as_ref() {
+                Some(batch) => {
+                    batch.tokens.fetch_add(uncached, Ordering::SeqCst);
+                    (Arc::clone(batch), false)
+                }
+                None => {
+                    let batch =
+                        Arc::new(Batch { tokens: AtomicU64::new(uncached), done: tokio::sync::watch::channel(None).0 });
+                    *forming = Some(Arc::clone(&batch));
+                    (batch, true)
+                }
+            }
+        };
+        let mut done = batch.done.subscribe();
+        if leads {
+            let _lane = self.prefill_lock.lock().await;
+            // The lane's turn closes the batch: later arrivals gather for the next.
+            self.forming.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let laned = std::time::Instant::now();
+            self.run_prefill(batch.tokens.load(Ordering::SeqCst)).await;
+            batch.done.send_replace(Some((laned, std::time::Instant::now())));
+        }
+        let marks = done.wait_for(Option::is_some).await.ok().and_then(|m| *m);
+        marks.unwrap_or_else(|| (std::time::Instant::now(), std::time::Instant::now()))
+    }
+
+    async fn run_prefill(&self, uncached: u64) {
+        let busy = self.prefill_time(uncached);
+        tokio::time::sleep(busy).await;
+        self.prefill_tokens_total.fetch_add(uncached, Ordering::SeqCst);
+        self.prefill_busy_us_total
+            .fetch_add(u64::try_from(busy.as_micros()).unwrap_or(u64::MAX).max(1), Ordering::SeqCst);
     }
 
     /// Prefill time of `uncached` tokens at the configured throughput.
