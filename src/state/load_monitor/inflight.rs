@@ -24,6 +24,11 @@ pub struct PrefillWork {
     pub slot_wait_ms: u64,
 }
 
+impl PrefillWork {
+    /// A stage with no prefill work (a PD decode engine).
+    pub const NONE: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 0.0, ahead: 0, slot_wait_ms: 0 };
+}
+
 /// A dispatch's first byte: the dispatch sent at `sent_ms` brought `prefill_tokens` uncached
 /// tokens, and `sample` is its time when the byte followed its first token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,11 +36,6 @@ pub struct FirstByte {
     pub prefill_tokens: u64,
     pub sent_ms: u64,
     pub sample: Option<Sample>,
-}
-
-impl PrefillWork {
-    /// A stage with no prefill work (a PD decode engine).
-    pub const NONE: PrefillWork = PrefillWork { tokens: 0, tokens_per_ms: 0.0, ahead: 0, slot_wait_ms: 0 };
 }
 
 /// What the router itself knows of one engine.
