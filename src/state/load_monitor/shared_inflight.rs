@@ -39,9 +39,9 @@ const RETIRED_HEADER: [u8; 8] = *b"sglret05";
 const RECORD_WORDS: usize = 18;
 const RETIRED_WORDS: usize = 10;
 
-/// A dead VM's speed samples and batching pairs count this much less each time another VM dies: a line of restarts
-/// leaves the fit what the live VMs see plus at most about two VMs' worth of history.
-const RETIRED_SPEED_DECAY: f64 = 0.5;
+/// A dead VM's speed samples and batching pairs count this much less each time another VM dies: a
+/// line of restarts leaves what the live VMs see plus at most about two VMs' worth of history.
+const RETIRED_DECAY: f64 = 0.5;
 
 /// A value naming its workers, then one row of `W` words per worker: VMs configured at different
 /// times (a live update of the filter configuration) list different workers, in different orders.
@@ -329,8 +329,8 @@ impl SharedInflight {
             for (slot, r) in retired.iter_mut().zip(&records) {
                 slot.total = slot.total.saturating_add(r.total);
                 slot.prefilled = slot.prefilled.saturating_add(r.prefilled);
-                slot.speed = slot.speed.scaled(RETIRED_SPEED_DECAY).merged(&r.speed);
-                slot.batching = slot.batching.scaled(RETIRED_SPEED_DECAY).merged(&r.batching);
+                slot.speed = slot.speed.scaled(RETIRED_DECAY).merged(&r.speed);
+                slot.batching = slot.batching.scaled(RETIRED_DECAY).merged(&r.batching);
                 dropped = dropped.saturating_add(r.inflight);
             }
             emptied.push(key);
