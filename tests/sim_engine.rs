@@ -238,6 +238,39 @@ fn a_shared_prompt_is_prefilled_once_and_reused_from_the_cache() {
 }
 
 #[test]
+fn a_waiting_prompt_counts_only_what_the_cache_lacks_as_uncached() {
+    let dir = scratch_dir("sim_waiting_uncached");
+    let mut spec = SimSpec::plain("A");
+    spec.max_running = 1;
+    spec.token_delay_ms = 200;
+    let sim = Sim::start(spec, &dir);
+    let system = "shared system prompt text ".repeat(40); // ~250 tokens
+    let asked = |q: &str, max_tokens: u64| {
+        json!({"model": "demo-model", "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+    };
+    assert_eq!(post(&sim, &asked("first", 1)).status, 200);
+    // Another prompt holds the only slot; the system prompt's next question waits behind it.
+    let url = sim.url("/v1/chat/completions");
+    let busy = std::thread::spawn({
+        let url = url.clone();
+        move || send(&url, "POST", Some(&chat_body(&"unrelated ".repeat(40), 5, false)), &[])
+    });
+    wait_for("the slot taken", Duration::from_secs(5), || (loads(&sim)["num_running_reqs"] == 1).then_some(()));
+    let next = std::thread::spawn({
+        let body = asked("second", 1);
+        move || send(&url, "POST", Some(&body), &[])
+    });
+    let waiting = wait_for("one waiting", Duration::from_secs(5), || {
+        let l = loads(&sim);
+        (l["num_waiting_reqs"] == 1).then_some(l)
+    });
+    let uncached = waiting["num_waiting_uncached_tokens"].as_u64().unwrap();
+    assert!(uncached < 32, "the cached system prompt is not waiting to be prefilled: {uncached} tokens");
+    assert_eq!((busy.join().unwrap().status, next.join().unwrap().status), (200, 200));
+}
+
+#[test]
 fn command_line_faults_fail_requests_and_crash_the_engine() {
     let dir = scratch_dir("sim_flags");
     let mut spec = SimSpec::plain("E");

@@ -231,7 +231,11 @@ async fn serve(
             _ => (kv::tokenize(&prompt_text(&body)), prompt_tokens(&body)),
         },
     };
-    let Some(mut slot) = engine.admit(prompt, dp_rank).await else {
+    let uncached_on_arrival = match engine.role {
+        Role::Decode => 0,
+        _ => prompt.saturating_sub(engine.caches[dp_rank as usize].cached_tokens(&prompt_ids)),
+    };
+    let Some(mut slot) = engine.admit(prompt, uncached_on_arrival, dp_rank).await else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "engine is shutting down");
     };
     let slotted = std::time::Instant::now();

@@ -168,7 +168,7 @@ pub struct Engine {
     pub running: AtomicU64,
     pub waiting: AtomicU64,
     pub kv_used: AtomicU64,
-    pub waiting_prompt_tokens: AtomicU64,
+    pub waiting_uncached_tokens: AtomicU64,
     pub served: AtomicU64,
     pub prefill_tokens_total: AtomicU64,
     pub prefill_busy_us_total: AtomicU64,
@@ -212,7 +212,7 @@ impl Engine {
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             kv_used: AtomicU64::new(0),
-            waiting_prompt_tokens: AtomicU64::new(0),
+            waiting_uncached_tokens: AtomicU64::new(0),
             served: AtomicU64::new(0),
             prefill_tokens_total: AtomicU64::new(0),
             prefill_busy_us_total: AtomicU64::new(0),
@@ -274,12 +274,14 @@ impl Engine {
     /// Waits in FIFO order for a running slot. The returned guard keeps the counts true however
     /// the request ends (completed, failed, or dropped when the client goes away).
     /// `rank` is the data-parallel rank serving the request, whose own counts move too.
-    pub async fn admit(self: &Arc<Self>, prompt_tokens: u64, rank: u32) -> Option<RunningGuard> {
+    /// `uncached_tokens`: what of its `prompt_tokens` the request will prefill, as the cache stood
+    /// when it arrived (what `num_waiting_uncached_tokens` adds up).
+    pub async fn admit(self: &Arc<Self>, prompt_tokens: u64, uncached_tokens: u64, rank: u32) -> Option<RunningGuard> {
         let rank = (rank as usize).min(self.rank_counts.len().saturating_sub(1));
         self.waiting.fetch_add(1, Ordering::SeqCst);
         self.rank_counts[rank].1.fetch_add(1, Ordering::SeqCst);
-        self.waiting_prompt_tokens.fetch_add(prompt_tokens, Ordering::SeqCst);
-        let waiting = WaitingGuard { engine: Arc::clone(self), prompt_tokens, rank };
+        self.waiting_uncached_tokens.fetch_add(uncached_tokens, Ordering::SeqCst);
+        let waiting = WaitingGuard { engine: Arc::clone(self), uncached_tokens, rank };
         let permit = Arc::clone(&self.slots).acquire_owned().await.ok()?;
         drop(waiting);
         self.running.fetch_add(1, Ordering::SeqCst);
@@ -387,7 +389,7 @@ impl Engine {
 
 struct WaitingGuard {
     engine: Arc<Engine>,
-    prompt_tokens: u64,
+    uncached_tokens: u64,
     rank: usize,
 }
 
@@ -395,7 +397,7 @@ impl Drop for WaitingGuard {
     fn drop(&mut self) {
         self.engine.waiting.fetch_sub(1, Ordering::SeqCst);
         self.engine.rank_counts[self.rank].1.fetch_sub(1, Ordering::SeqCst);
-        self.engine.waiting_prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::SeqCst);
+        self.engine.waiting_uncached_tokens.fetch_sub(self.uncached_tokens, Ordering::SeqCst);
     }
 }
 

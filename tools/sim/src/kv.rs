@@ -86,6 +86,14 @@ impl PrefixCache {
         self.page as u64
     }
 
+    /// How many leading tokens of `tokens` are cached now, recording nothing.
+    pub fn cached_tokens(&self, tokens: &[u64]) -> u64 {
+        let hashes = block_hashes(tokens, self.page);
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let hit_blocks = hashes.iter().take_while(|h| inner.blocks.contains_key(h)).count() as u64;
+        (hit_blocks * self.page as u64).min(tokens.len() as u64)
+    }
+
     /// How many leading tokens of `tokens` are cached; then records all of its pages as used.
     pub fn serve(&self, tokens: &[u64]) -> Served {
         let hashes = block_hashes(tokens, self.page);

@@ -28,7 +28,7 @@ fn snapshot(engine: &Engine) -> Snapshot {
         kv_used: pinned.kv_tokens.unwrap_or_else(|| engine.kv_used.load(Ordering::SeqCst)),
         waiting_uncached: pinned
             .waiting_uncached_tokens
-            .unwrap_or_else(|| engine.waiting_prompt_tokens.load(Ordering::SeqCst)),
+            .unwrap_or_else(|| engine.waiting_uncached_tokens.load(Ordering::SeqCst)),
     }
 }
 
