@@ -1001,6 +1001,20 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_engine_never_sent_anything_is_tried_though_a_timed_one_is_slower() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0)), ("N", native_load(0, 0))]);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 3), AdmissionLimits::default());
+        learned(&s, "A", 4.0, 40);
+        learned(&s, "B", 1.0, 40);
+        // A has a second's work queued, and a cold 2,000 tokens take it half a second more; B
+        // would take 2 s. At the fleet's rate, between the two, N takes about 1.3 s.
+        s.inflight.acquire("A", PrefillWork { tokens: 4_000, tokens_per_ms: 4.0, ahead: 0, slot_wait_ms: 0 });
+        // N never answered because it was never asked: judged as slow as B, it never would be.
+        assert_eq!(pick(&p, &["A", "B", "N"], 2_000).unwrap().engine.id, "N");
+    }
+
+    #[test]
     fn a_holder_late_with_the_fleet_keeps_its_hit_from_an_engine_that_has_not_shown_its_speed() {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(0, 0)), ("C", native_load(1, 0))]);

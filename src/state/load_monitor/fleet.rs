@@ -56,9 +56,12 @@ impl Prior {
         Self { timed, untimed: slowest }
     }
 
-    /// The prior of the engine whose router-local load is `local`.
+    /// The prior of the engine whose router-local load is `local`. Only an engine sent work that
+    /// has not answered yet is assumed as slow as the slowest timed one: one never sent anything
+    /// has shown nothing either way, and assumed slow it would never be sent the work that times
+    /// it, so a fleet's idle engine would stay idle for good.
     pub fn of(&self, local: &LocalLoad) -> f64 {
-        if local.speed.weight() > 0.0 {
+        if local.speed.weight() > 0.0 || local.dispatched_total == 0 {
             self.timed
         } else {
             self.untimed
@@ -115,6 +118,16 @@ mod tests {
         let b = fleet[1].fit.speed(prior.timed).tokens_per_ms;
         assert_eq!(prior.untimed, b, "B is the slowest");
         assert!(prior.untimed < fleet[2].fit.speed(prior.timed).tokens_per_ms);
+    }
+
+    #[test]
+    fn an_engine_never_sent_anything_leans_on_the_fleet_and_one_awaiting_its_first_byte_on_the_slowest() {
+        let fleet: Vec<_> = [10, 2].iter().map(|rate| timed(&[256, 2_048, 4_096].map(|t| (t, t / rate)))).collect();
+        let prior = Prior::of_fleet(&fleet, 20.0);
+        assert!(prior.untimed < prior.timed, "{prior:?}");
+        assert_eq!(prior.of(&LocalLoad::default()), prior.timed, "never sent anything");
+        let sent = LocalLoad { dispatched_total: 1, inflight: 1, ..LocalLoad::default() };
+        assert_eq!(prior.of(&sent), prior.untimed, "sent work, not answered yet");
     }
 
     #[test]
