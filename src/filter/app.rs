@@ -156,10 +156,11 @@ impl AppContext {
         let (load, local) = (snapshot.get(worker), self.handles.inflight.local_load(worker));
         // The rate the engine's prefill lane drains at: an engine not yet timed drains at the
         // slowest timed one's, or a slow engine's lane empties on paper before its first byte.
-        let prior = self.handles.inflight.prior(prior).of(&local);
+        let fleet = self.handles.inflight.prior(prior);
+        let prior = fleet.of(&local);
         let work = PrefillWork {
             tokens: prefill_tokens,
-            tokens_per_ms: prefill_rate(load, &local, prior),
+            tokens_per_ms: prefill_rate(load, &fleet.judged(local), prior),
             ahead: pending_prefill(load, &local),
             slot_wait_ms: slot_wait_ms(load, &local) as u64,
         };

@@ -265,12 +265,12 @@ impl CacheAwarePolicy {
 
     /// What sending a request bringing `uncached` tokens to `w` costs, for an engine whose speed,
     /// unless measured or timed, is assumed no faster than `tokens_per_ms`.
-    fn priced(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64, tokens_per_ms: f64) -> Price {
+    fn priced(&self, snapshot: &LoadSnapshot, fleet: Prior, w: &Engine, uncached: u64, tokens_per_ms: f64) -> Price {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
-        let prior = prior.of(&local);
+        let prior = fleet.of(&local);
         let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
-        let (wait_ms, rate) = wait_and_rate(load, &local, uncached, prior);
+        let (wait_ms, rate) = wait_and_rate(load, &fleet.judged(local), uncached, prior);
         Price { wait_ms, rate, uncached, local }
     }
 
@@ -1015,6 +1015,23 @@ mod tests {
     }
 
     #[test]
+    fn before_any_first_byte_the_engine_sent_a_prompt_last_does_not_look_the_least_busy() {
+        let s = State::new();
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        let cold = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
+        s.inflight.acquire("Old", cold);
+        s.inflight.awaiting("Old", Waiting { since_ms: 0, tokens: 2_000 });
+        s.inflight.set_now(300);
+        s.inflight.acquire("Young", cold);
+        s.inflight.awaiting("Young", Waiting { since_ms: 300, tokens: 2_000 });
+        s.inflight.acquire("Young", PrefillWork { tokens: 500, ..cold });
+        // By the configured rate Old is late and Young nearly done; but no engine has answered
+        // yet, so Old's wait is the fleet's, and Young was sent more.
+        s.inflight.set_now(400);
+        assert_eq!(pick(&p, &["Old", "Young"], 2_000).unwrap().engine.id, "Old");
+    }
+
+    #[test]
     fn a_holder_late_with_the_fleet_keeps_its_hit_from_an_engine_that_has_not_shown_its_speed() {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(0, 0)), ("C", native_load(1, 0))]);
@@ -1030,13 +1047,20 @@ mod tests {
         s.inflight.acquire("C", cold);
         s.inflight.awaiting("C", Waiting { since_ms: 2_000, tokens: 2_000 });
         s.inflight.set_now(3_050);
-        let prior = s.inflight.prior(20.0);
-        assert!(prior.untimed < 3.0, "{prior:?}");
         let [a, b] = ["A", "B"].map(|w| workers(&[w]).remove(0));
         let (input, snapshot) = (1_000, crate::state::load_monitor::LoadView::snapshot(s.load.as_ref()));
-        let cost = |w: &Engine, tokens| p.priced(&snapshot, prior, w, tokens, f64::INFINITY).cost_ms(UNCACHED_WEIGHT);
+        let cost =
+            |prior, w: &Engine, tokens| p.priced(&snapshot, prior, w, tokens, f64::INFINITY).cost_ms(UNCACHED_WEIGHT);
+        let prior = s.inflight.prior(20.0);
+        assert!(prior.untimed < 3.0, "{prior:?}");
+        // No engine has answered: A's silence is the fleet's, and its queue counts whole.
+        assert!(cost(prior, &a, input - 900) < cost(prior, &b, input), "before any first byte A looks no slower");
+        assert_eq!(pick(&p, &["A", "B", "C"], input).unwrap().engine.id, "A");
+        // D answers at 2 tokens/ms: now A's silence is A's own.
+        learned(&s, "D", 2.0, 40);
+        let prior = s.inflight.prior(20.0);
         assert!(
-            cost(&b, input) + p.margin_ms() < cost(&a, input - 900),
+            cost(prior, &b, input) + p.margin_ms() < cost(prior, &a, input - 900),
             "at the fleet's rate the idle B looks cheaper"
         );
         assert_eq!(pick(&p, &["A", "B", "C"], input).unwrap().engine.id, "A", "but B is no faster than A");
@@ -1047,9 +1071,8 @@ mod tests {
         let s = State::new();
         s.loads(&[("A", native_load(1, 0)), ("B", native_load(1, 0))]);
         let p = policy(&s, Fixed::matches(&[("A", 900)]), tuned(|_| {}), AdmissionLimits::default());
-        // B idle, in the table as in the shared one (which holds every engine): A's lateness is
-        // A's alone, not the fleet's.
-        s.inflight.set("B", 0);
+        // B idle, timed on time: A's lateness is A's alone, not the fleet's.
+        learned(&s, "B", 20.0, 8);
         // A was sent a 2,000-token prompt at 0 whose first token is still to come; by the prior
         // it takes 100 ms.
         s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });

@@ -35,12 +35,14 @@ pub struct Prior {
     pub timed: f64,
     /// For an engine not yet timed: no faster than the slowest one timed.
     pub untimed: f64,
+    /// Some engine of the fleet has been timed.
+    pub fleet_timed: bool,
 }
 
 impl Prior {
     /// The configured rate alone: nothing is known of the fleet.
     pub fn configured(tokens_per_ms: f64) -> Self {
-        Self { timed: tokens_per_ms, untimed: tokens_per_ms }
+        Self { timed: tokens_per_ms, untimed: tokens_per_ms, fleet_timed: false }
     }
 
     /// The prior from every engine's fit and unanswered dispatch, on the configured rate.
@@ -53,7 +55,22 @@ impl Prior {
             .filter(|e| e.fit.weight() > 0.0)
             .map(|e| e.fit.speed(timed).tokens_per_ms)
             .fold(timed, f64::min);
-        Self { timed, untimed: slowest }
+        let fleet_timed = engines.iter().any(|e| e.fit.weight() > 0.0);
+        Self { timed, untimed: slowest, fleet_timed }
+    }
+
+    /// `local` as far as its engine's silence tells against the fleet. Until some engine of the
+    /// fleet has been timed, an untimed engine's unanswered dispatch does not slow it: the fleet
+    /// was sent its first prompts within moments and none has answered, so each one's wait is
+    /// the fleet's, and an engine judged by its own would make the one sent a prompt last look
+    /// the least busy — and be sent the next ones, before any of them answers. Its unanswered
+    /// prompts still count whole (`pending_prefill_tokens`).
+    pub fn judged(&self, local: LocalLoad) -> LocalLoad {
+        if self.fleet_timed || local.speed.weight() > 0.0 {
+            local
+        } else {
+            LocalLoad { unanswered: None, ..local }
+        }
     }
 
     /// The prior of the engine whose router-local load is `local`. Only an engine sent work that
