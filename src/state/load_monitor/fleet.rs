@@ -33,7 +33,7 @@ pub struct Prior {
     /// For an engine timed at least once, whose fit leans on it while young: the fleet's samples
     /// pooled in one fit.
     pub timed: f64,
-    /// For an engine not yet timed: no faster than the slowest one timed.
+    /// For an engine sent work and not yet timed: no faster than the slowest one timed.
     pub untimed: f64,
     /// Some engine of the fleet has been timed.
     pub fleet_timed: bool,
@@ -145,6 +145,15 @@ mod tests {
         assert_eq!(prior.of(&LocalLoad::default()), prior.timed, "never sent anything");
         let sent = LocalLoad { dispatched_total: 1, inflight: 1, ..LocalLoad::default() };
         assert_eq!(prior.of(&sent), prior.untimed, "sent work, not answered yet");
+    }
+
+    #[test]
+    fn an_untimed_engines_silence_tells_only_once_some_engine_answered() {
+        let late = LocalLoad { unanswered: Some(Waited { ms: 1_000, tokens: 2_048 }), ..LocalLoad::default() };
+        let before = Prior::of_fleet(&[waiting(1_000, 2_048), waiting(900, 2_048)], 20.0);
+        assert_eq!(before.judged(late).unanswered, None, "no engine has answered: the fleet's wait");
+        let after = Prior::of_fleet(&[timed(&[(2_048, 1_000)]), waiting(900, 2_048)], 20.0);
+        assert_eq!(after.judged(late), late, "one has: this one's wait is its own");
     }
 
     #[test]
