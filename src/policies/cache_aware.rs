@@ -321,6 +321,13 @@ impl CacheAwarePolicy {
         (started_ms < hit.sent_ms).then_some(hit.sent_ms)
     }
 
+    /// Step 2's gates: whether `matched_tokens` of the `compared` ones make a hit.
+    fn counts_as_hit(&self, matched_tokens: u64, compared: u64) -> bool {
+        let ratio_ok =
+            self.config.min_hit_ratio.is_none_or(|r| compared > 0 && matched_tokens as f64 / compared as f64 >= r);
+        matched_tokens >= self.config.min_hit_tokens && matched_tokens > 0 && ratio_ok
+    }
+
     /// Steps 2 and 3: holders past the gates, longest match first, bounded in number.
     /// `compared` is how many of the input's tokens the index could match against (the prompt text
     /// the router keeps is bounded): the ratio gate measures a match against that, so a fully
@@ -339,11 +346,7 @@ impl CacheAwarePolicy {
             .filter_map(|m| {
                 let worker = engines.iter().find(|w| w.id == m.engine)?;
                 let matched_tokens = m.effective_tokens().min(input);
-                let ratio_ok = self
-                    .config
-                    .min_hit_ratio
-                    .is_none_or(|r| compared > 0 && matched_tokens as f64 / compared as f64 >= r);
-                (matched_tokens >= self.config.min_hit_tokens && matched_tokens > 0 && ratio_ok).then(|| {
+                self.counts_as_hit(matched_tokens, compared).then(|| {
                     let price =
                         self.priced(snapshot, prior, worker, input.saturating_sub(matched_tokens), f64::INFINITY);
                     Holder { worker: Arc::clone(worker), matched_tokens, price }
@@ -466,12 +469,15 @@ impl CacheAwarePolicy {
         };
         let holders = self.usable_holders(engines, matches, input, compared, &snapshot, prior);
         // The chosen engine's match is what it is spared prefilling, whatever the reason it won;
-        // a usable holder's load was read when it was priced.
+        // a usable holder's load was read when it was priced. Only a match the gates count as a
+        // hit is worth holding for: a few shared tokens cost little to prefill again.
         let cached = |pick: Pick| {
             let hit = matches.iter().find(|h| h.engine == pick.engine.id);
             let held = hit.map_or(0, PrefixHit::effective_tokens);
             let priced = || holders.iter().find(|h| h.worker.id == pick.engine.id).map(|h| h.price.local);
-            let prefix_unstarted = hit.and_then(|h| self.unstarted(h, priced));
+            let prefix_unstarted = hit
+                .filter(|h| self.counts_as_hit(h.effective_tokens().min(input), compared))
+                .and_then(|h| self.unstarted(h, priced));
             Pick { cached_tokens: held.min(request.input_tokens), prefix_unstarted, ..pick }
         };
         if holders.is_empty() {
@@ -1123,6 +1129,22 @@ mod tests {
         let reported = policy(&s, Fixed::sent(&[("A", 900, 0)]), hold, AdmissionLimits::default());
         s.inflight.awaiting("A", Waiting { since_ms: 0, tokens: 500 });
         assert_eq!(unstarted(&reported), None, "what the engine says it holds");
+    }
+
+    #[test]
+    fn a_match_too_short_to_be_a_hit_is_not_held_for() {
+        let s = State::new();
+        let hold = tuned(|c| {
+            c.hold_for_prefix = HoldForPrefix::Always;
+            c.min_hit_tokens = 64;
+        });
+        let short = policy(&s, Fixed::sent(&[("A", 40, 50)]), hold.clone(), AdmissionLimits::default());
+        let long = policy(&s, Fixed::sent(&[("A", 64, 50)]), hold, AdmissionLimits::default());
+        s.inflight.set_now(60);
+        s.inflight.awaiting("A", Waiting { since_ms: 40, tokens: 500 });
+        let short = pick(&short, &["A"], 1000).unwrap();
+        assert_eq!((short.cached_tokens, short.prefix_unstarted), (40, None), "prefilled again at little cost");
+        assert_eq!(pick(&long, &["A"], 1000).unwrap().prefix_unstarted, Some(50), "at the limit: held");
     }
 
     #[test]
