@@ -326,14 +326,15 @@ impl ServiceCore {
             gauges.push((format!("sgl_router_batched_first_bytes_pct.worker.{id}"), 0));
             gauges.push((format!("sgl_router_prefill_batches.worker.{id}"), 0));
         }
-        let prior = self.config.load.prefill_tokens_per_s / 1000.0;
+        let fleet = self.inflight.prior(self.config.load.prefill_tokens_per_s / 1000.0);
         let mut fresh = 0;
         for w in &self.workers {
             let id = label(&w.id);
             let local = self.inflight.local_load(&w.id);
             gauges.push((format!("sgl_router_inflight.worker.{id}"), local.inflight));
-            // The speed the filters learned (the prior until a streamed answer came back).
-            let speed = local.speed.speed(prior);
+            // The speed the filters route on: the engine's own fit, leaning while young on what
+            // the fleet has shown.
+            let speed = local.speed.speed(fleet.of(&local));
             gauges
                 .push((format!("sgl_router_prefill_tokens_per_s.worker.{id}"), (speed.tokens_per_ms * 1000.0) as u64));
             gauges.push((format!("sgl_router_first_byte_overhead_ms.worker.{id}"), speed.overhead_ms as u64));
