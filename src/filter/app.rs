@@ -154,8 +154,9 @@ impl AppContext {
         let prior = self.config.load.prefill_tokens_per_s / 1000.0;
         let snapshot = self.handles.load.snapshot();
         let (load, local) = (snapshot.get(worker), self.handles.inflight.local_load(worker));
-        // The rate the engine's prefill lane drains at: an engine not yet timed drains at the
-        // slowest timed one's, or a slow engine's lane empties on paper before its first byte.
+        // The rate the engine's prefill lane drains at: an engine sent work and not yet timed
+        // drains at the slowest timed one's (`Prior::of`), or a slow engine's lane empties on
+        // paper before its first byte.
         let fleet = self.handles.inflight.prior(prior);
         let prior = fleet.of(&local);
         let work = PrefillWork {
