@@ -473,12 +473,11 @@ impl CacheAwarePolicy {
         // hit is worth holding for: a few shared tokens cost little to prefill again.
         let cached = |pick: Pick| {
             let hit = matches.iter().find(|h| h.engine == pick.engine.id);
-            let held = hit.map_or(0, PrefixHit::effective_tokens);
+            let cached_tokens = hit.map_or(0, PrefixHit::effective_tokens).min(input);
             let priced = || holders.iter().find(|h| h.worker.id == pick.engine.id).map(|h| h.price.local);
-            let prefix_unstarted = hit
-                .filter(|h| self.counts_as_hit(h.effective_tokens().min(input), compared))
-                .and_then(|h| self.unstarted(h, priced));
-            Pick { cached_tokens: held.min(request.input_tokens), prefix_unstarted, ..pick }
+            let prefix_unstarted =
+                hit.filter(|_| self.counts_as_hit(cached_tokens, compared)).and_then(|h| self.unstarted(h, priced));
+            Pick { cached_tokens, prefix_unstarted, ..pick }
         };
         if holders.is_empty() {
             return self
