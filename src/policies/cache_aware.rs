@@ -222,9 +222,9 @@ const UNCACHED_WEIGHT: f64 = 12.0;
 /// shorter queue cost hits and bought no tail (docs/results/history.md, "Weights").
 const SWITCH_WEIGHT: f64 = 32.0;
 
-/// Waits up to this are treated as none, and longer ones as equal within [`WAIT_RATIO`], so request
-/// counts and then the spreading of new prefixes decide between engines that are about as idle —
-/// and engines whose learned speeds differ by noise, not by hardware, look alike.
+/// Waits up to this are treated as none, and longer ones as equal within [`WAIT_RATIO`], so the
+/// spreading of load decides between engines that are about as idle — and engines whose learned
+/// speeds differ by noise, not by hardware, look alike.
 const WAIT_QUANTUM_MS: f64 = 20.0;
 const WAIT_RATIO: f64 = 1.25;
 
@@ -234,21 +234,29 @@ fn wait_class(wait_ms: f64) -> u64 {
     (over.ln() / WAIT_RATIO.ln()) as u64
 }
 
-/// A total order for load, never a pairwise comparator: the class of the expected wait for a first
-/// token (turn for a slot, then the prefill queue and the request's own: [`expected_wait_ms`](super::pressure::expected_wait_ms)),
-/// then reported running +
-/// waiting (router-local in-flight without a fresh report), then the uncached tokens the engine
-/// was ever sent — among engines equally idle a new prefix goes where the least distinct content
-/// went, what sglang-router's smallest tree measures — then in-flight, then id.
+/// A total order for load between holders, never a pairwise comparator: the class of the expected
+/// wait for a first token (turn for a slot, then the prefill queue and the request's own:
+/// [`expected_wait_ms`](super::pressure::expected_wait_ms)), then reported running + waiting
+/// (router-local in-flight without a fresh report), then the uncached tokens the engine was ever
+/// sent, then in-flight, then id.
 fn load_key(w: &Engine, load: Option<&EngineLoad>, local: LocalLoad, wait_ms: f64) -> (u64, u64, u64, u64, String) {
+    let (content, count, inflight, id) = spread_key(w, load, local);
+    (wait_class(wait_ms), count, content, inflight, id)
+}
+
+/// Where a prompt nobody holds goes among engines about as idle ([`about_as_idle`]): where the
+/// least distinct content went (the uncached tokens the engine was ever sent, what sglang-router's
+/// smallest tree measures), then reported running + waiting, then in-flight, then id. Content
+/// first: where a prefix lands its sessions' turns follow for good, so the prefixes an engine was
+/// given say what load it will draw; how many requests it runs this moment says little of that.
+fn spread_key(w: &Engine, load: Option<&EngineLoad>, local: LocalLoad) -> (u64, u64, u64, String) {
     let reported = load.and_then(|l| Some(l.running?.saturating_add(l.waiting?)));
-    (
-        wait_class(wait_ms),
-        reported.unwrap_or(local.inflight),
-        local.prefilled_total / PREFILL_QUANTUM_TOKENS,
-        local.inflight,
-        w.id.clone(),
-    )
+    (local.prefilled_total / PREFILL_QUANTUM_TOKENS, reported.unwrap_or(local.inflight), local.inflight, w.id.clone())
+}
+
+/// The longest expected wait that counts as about as idle as the idlest engine's `least_ms`.
+fn about_as_idle(least_ms: f64) -> f64 {
+    least_ms * WAIT_RATIO + WAIT_QUANTUM_MS
 }
 
 impl CacheAwarePolicy {
@@ -277,12 +285,6 @@ impl CacheAwarePolicy {
     /// The switch margin as prefill time at the assumed rate.
     fn margin_ms(&self) -> f64 {
         self.config.switch_margin_tokens as f64 / self.assumed_tokens_per_ms
-    }
-
-    /// Where a request bringing `uncached` tokens waits least: on engines of one speed the same
-    /// order as by their queues alone; a slower engine is asked for less of the prefill.
-    fn key(&self, snapshot: &LoadSnapshot, prior: Prior, w: &Engine, uncached: u64) -> (u64, u64, u64, u64, String) {
-        Self::priced_key(snapshot, w, &self.priced(snapshot, prior, w, uncached, f64::INFINITY))
     }
 
     fn priced_key(snapshot: &LoadSnapshot, w: &Engine, price: &Price) -> (u64, u64, u64, u64, String) {
@@ -425,7 +427,9 @@ impl CacheAwarePolicy {
     }
 
     /// Step 6's choice for a request prefilling all its `input` tokens: power-of-k over the engines
-    /// inside the soft queue gate (all of them if none is), the exact minimum when k covers the pool.
+    /// inside the soft queue gate (all of them if none is), all of them when k covers the pool; of
+    /// those, the engines about as idle as the one where it would wait least (a slower engine is
+    /// asked for less of the prefill), and of those the first by [`spread_key`].
     fn fallback_engine<'e>(
         &self,
         engines: &'e [Arc<Engine>],
@@ -442,7 +446,15 @@ impl CacheAwarePolicy {
             let mut remaining = pool;
             (0..k).map(|_| remaining.swap_remove(self.random.below(remaining.len()))).collect()
         };
-        sampled.into_iter().min_by_key(|w| self.key(snapshot, prior, w, input))
+        let priced: Vec<(&Arc<Engine>, Price)> =
+            sampled.into_iter().map(|w| (w, self.priced(snapshot, prior, w, input, f64::INFINITY))).collect();
+        let least_ms = priced.iter().map(|(_, p)| p.wait_ms).fold(f64::INFINITY, f64::min);
+        let band_ms = about_as_idle(least_ms);
+        priced
+            .into_iter()
+            .filter(|(_, p)| p.wait_ms <= band_ms || p.wait_ms.is_nan())
+            .min_by_key(|(w, p)| spread_key(w, snapshot.get(&w.id), p.local))
+            .map(|(w, _)| w)
     }
 
     fn choose(&self, engines: &[Arc<Engine>], request: &PickRequest<'_>) -> Result<Pick, PickError> {
@@ -926,6 +938,31 @@ mod tests {
         assert_eq!((r.engine.id.as_str(), r.reason), ("B", PickReason::CacheMiss));
         s.inflight.acquire("B", PrefillWork { tokens: 8_192, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         s.inflight.release("B", 8_192, 5);
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
+    }
+
+    #[test]
+    fn a_miss_goes_where_the_least_content_went_though_that_engine_runs_more_requests_this_moment() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("B", native_load(3, 0))]);
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
+        s.inflight.release("A", 4_096, 5);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        // Neither has a queue for a slot or for prefill: B's three running requests cost the new
+        // prompt nothing, and A was given the prefixes whose sessions will keep it busy.
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "B");
+    }
+
+    #[test]
+    fn a_miss_does_not_go_for_its_little_content_to_an_engine_it_would_wait_at() {
+        let s = State::new();
+        let queued = slotted(&s, "B", 4, 2, 4, 800);
+        let idle = slotted(&s, "A", 1, 0, 4, 800);
+        s.inflight.acquire("A", PrefillWork { tokens: 4_096, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
+        s.inflight.release("A", 4_096, 5);
+        s.loads(&[(idle.0.as_str(), idle.1), (queued.0.as_str(), queued.1)]);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        // B: 3 ahead of it for a slot × 200 ms; A: its own 50 ms of prefill.
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
     }
 
