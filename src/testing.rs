@@ -7,7 +7,9 @@ use crate::policies::admission::AdmissionGate;
 use crate::policies::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Role;
 use crate::registry::{Engine, EngineAddress};
-use crate::state::load_monitor::{EngineLoad, LoadSnapshot, MemoryInflight, ReportKind, StaticLoad};
+use crate::state::load_monitor::{
+    EngineLoad, FirstByte, InflightTable, LoadSnapshot, MemoryInflight, PrefillWork, ReportKind, Sample, StaticLoad,
+};
 
 pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Engine> {
     Arc::new(Engine {
@@ -150,3 +152,22 @@ pub fn router_config_with_models(models: &[&str]) -> crate::config::RouterConfig
 pub use core::prelude::v1::test;
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 pub use wasm_bindgen_test::wasm_bindgen_test as test;
+
+/// `worker` answered one streamed request of each of `lengths` tokens, its first byte `overhead_ms`
+/// plus the prompt at `tokens_per_ms` after it was sent, and was released as it answered: how the
+/// router times an engine.
+pub fn answered(
+    inflight: &MemoryInflight,
+    worker: &str,
+    tokens_per_ms: f64,
+    overhead_ms: u64,
+    lengths: impl IntoIterator<Item = u64>,
+) {
+    for tokens in lengths {
+        inflight.acquire(worker, PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
+        let ms = overhead_ms + (tokens as f64 / tokens_per_ms) as u64;
+        let timed = FirstByte { prefill_tokens: tokens, sent_ms: 0, sample: Some(Sample { tokens, ms }) };
+        inflight.first_byte(worker, timed, 20.0);
+        inflight.release(worker, 0, ms);
+    }
+}

@@ -982,17 +982,7 @@ mod tests {
 
     /// `worker` answered `n` streamed requests of mixed lengths at `tokens_per_ms`.
     fn learned(s: &State, worker: &str, tokens_per_ms: f64, n: u64) {
-        for i in 0..n {
-            let tokens = 100 + (i % 5) * 700;
-            s.inflight.acquire(worker, PrefillWork { tokens, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 });
-            let ms = 5 + (tokens as f64 / tokens_per_ms) as u64;
-            s.inflight.first_byte(
-                worker,
-                FirstByte { prefill_tokens: tokens, sent_ms: 0, sample: Some(Sample { tokens, ms }) },
-                20.0,
-            );
-            s.inflight.release(worker, 0, ms);
-        }
+        crate::testing::answered(&s.inflight, worker, tokens_per_ms, 5, (0..n).map(|i| 100 + (i % 5) * 700));
     }
 
     /// `worker` answered requests that waited there together at once, as an engine prefilling them

@@ -472,16 +472,6 @@ mod tests {
     }
 
     /// `worker` answered prompts of several lengths at exactly `tokens_per_ms`.
-    fn timed_at(inner: &MemoryInflight, worker: &str, tokens_per_ms: f64) {
-        for tokens in [500, 1_000, 2_000, 4_000] {
-            let work = PrefillWork { tokens, tokens_per_ms, ahead: 0, slot_wait_ms: 0 };
-            inner.acquire(worker, work);
-            let sample = Sample { tokens, ms: (tokens as f64 / tokens_per_ms) as u64 };
-            inner.first_byte(worker, FirstByte { prefill_tokens: tokens, sent_ms: 0, sample: Some(sample) }, 20.0);
-            inner.release(worker, 0, sample.ms);
-        }
-    }
-
     #[test]
     fn an_engine_not_yet_timed_holds_its_unanswered_prompts_whole() {
         let inner = Arc::new(MemoryInflight::default());
@@ -502,7 +492,7 @@ mod tests {
     fn a_dispatch_left_unanswered_past_its_time_slows_the_engine_until_it_is_answered() {
         let inner = Arc::new(MemoryInflight::default());
         let table: Arc<dyn InflightTable> = inner.clone();
-        timed_at(&inner, "A", 20.0);
+        crate::testing::answered(&inner, "A", 20.0, 0, [500, 1_000, 2_000, 4_000]);
         // Two cold prompts sent at once; by the prior the engine prefills them within 150 ms.
         let work = PrefillWork { tokens: 2_000, tokens_per_ms: 20.0, ahead: 0, slot_wait_ms: 0 };
         let mut a = InflightGuard::acquire(Arc::clone(&table), "A", work, 20.0, true);
