@@ -308,14 +308,17 @@ impl CacheAwarePolicy {
     /// When the router sent `hit`'s prefix to its engine, if the engine has not started on that
     /// dispatch: serving first come first, it has not while a dispatch started before it waits
     /// unanswered there. Asked only where `hold_for_prefix` holds: `always`, or `auto` on an engine
-    /// seen to batch its prefill. A prefix the engine itself reported (`sent_ms` 0) is never held.
+    /// seen to batch its prefill or not yet timed. A prefix the engine itself reported (`sent_ms` 0) is never held.
     /// `priced` is the engine's load as this pick already read it, if it did.
     fn unstarted(&self, hit: &PrefixHit, priced: impl FnOnce() -> Option<LocalLoad>) -> Option<u64> {
         if self.config.hold_for_prefix == HoldForPrefix::Never || hit.sent_ms == 0 {
             return None;
         }
         let local = priced().unwrap_or_else(|| self.gate.inflight.local_load(&hit.engine));
-        if self.config.hold_for_prefix == HoldForPrefix::Auto && !local.batching.batches() {
+        // Not yet timed, an engine may batch as well as not: holding costs the wait for its first
+        // byte, prefilling the prefix again beside the first dispatch may cost its whole batch.
+        let untimed = local.speed.weight() <= 0.0;
+        if self.config.hold_for_prefix == HoldForPrefix::Auto && !local.batching.batches() && !untimed {
             return None;
         }
         let oldest = local.unanswered?;
@@ -1134,7 +1137,9 @@ mod tests {
         s.inflight.awaiting("A", ahead);
         assert_eq!(unstarted(&p), Some(50), "a dispatch sent before it still waits");
         assert_eq!(unstarted(&off), None, "not asked for");
-        assert_eq!(unstarted(&auto), None, "by default, not before A is seen to batch");
+        assert_eq!(unstarted(&auto), Some(50), "by default, before A's first byte times it");
+        learned(&s, "A", 20.0, 1);
+        assert_eq!(unstarted(&auto), None, "by default, not once A is timed and not seen to batch");
         answered_in_batches(&s, "A");
         assert_eq!(unstarted(&auto), Some(50), "A batches");
         assert_eq!(unstarted(&off), None);
