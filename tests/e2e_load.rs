@@ -414,14 +414,15 @@ fn hold_deployment(name: &str, batching: bool, hold: Option<Value>) -> Deploymen
     d
 }
 
-/// Work ahead of a system prompt at the engine, then a request hitting that prompt, then another
-/// once nothing is ahead of it any more; how many requests were held, when all are answered.
-fn hits_behind_work(d: &Deployment) -> f64 {
+/// Work ahead of a system prompt (`system`'s words) at the engine, then a request hitting that
+/// prompt, then another once nothing is ahead of it any more; how many requests were held, when
+/// all are answered.
+fn hits_behind_work(d: &Deployment, system: &str) -> f64 {
     let holds = || d.envoy.metric("sgl_router_prefix_hold_ms_count{}").unwrap_or(0.0);
     let before = holds();
-    let system = "a shared system prompt ".repeat(60);
-    // Work ahead: about half a second of prefill. Then the prefix, queued behind it.
-    let ahead = streamed(d, "lorem ipsum ".repeat(500));
+    // Work ahead: about half a second of prefill, none of it cached. Then the prefix, queued behind it.
+    let ahead = streamed(d, format!("ahead of {system}: {}", "lorem ipsum ".repeat(500)));
+    let system = format!("{system} ").repeat(60);
     std::thread::sleep(Duration::from_millis(100));
     let first = streamed(d, format!("{system} first"));
     // The prefix reaches every VM's index.
@@ -441,16 +442,18 @@ fn hits_behind_work(d: &Deployment) -> f64 {
 #[test]
 fn a_hit_waits_at_the_router_until_its_engine_started_on_the_prefix() {
     let d = hold_deployment("prefix_hold", false, Some(json!("always")));
-    assert_eq!(hits_behind_work(&d), 1.0, "the sibling held, the third not");
+    assert_eq!(hits_behind_work(&d, "a shared system prompt"), 1.0, "the sibling held, the third not");
 }
 
-/// By default the filter holds only at an engine whose first bytes showed it batching: requests
-/// that waited there together answer together. Rounds of four distinct prompts at once: the first
-/// has the prefill lane to itself, the other three wait for its next turn.
+/// By default the filter holds only at an engine whose first bytes showed it batching, or that
+/// no first byte has timed yet: requests that waited there together answer together. Rounds of
+/// four distinct prompts at once: the first has the prefill lane to itself, the other three wait
+/// for its next turn.
 #[test]
 fn by_default_a_hit_is_held_only_at_an_engine_seen_to_batch_its_prefill() {
     for batching in [true, false] {
         let d = hold_deployment("prefix_hold_auto", batching, None);
+        assert_eq!(hits_behind_work(&d, "a first system prompt"), 1.0, "untimed, batching: {batching}");
         let seen = || d.envoy.metric(r#"sgl_router_prefill_batches{worker="A"}"#);
         for round in 0..6 {
             let all: Vec<_> =
@@ -467,6 +470,10 @@ fn by_default_a_hit_is_held_only_at_an_engine_seen_to_batch_its_prefill() {
         } else {
             assert_eq!(pct, 0.0, "one prefill at a time never answers two together");
         }
-        assert_eq!(hits_behind_work(&d), f64::from(u8::from(batching)), "batching: {batching}");
+        assert_eq!(
+            hits_behind_work(&d, "a second system prompt"),
+            f64::from(u8::from(batching)),
+            "batching: {batching}"
+        );
     }
 }
