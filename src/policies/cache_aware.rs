@@ -277,7 +277,7 @@ impl CacheAwarePolicy {
         let load = snapshot.get(&w.id);
         let local = self.gate.inflight.local_load(&w.id);
         let prior = fleet.of(&local);
-        let prior = if local.speed.weight() > 0.0 { prior } else { prior.min(tokens_per_ms) };
+        let prior = if local.speed.timed() { prior } else { prior.min(tokens_per_ms) };
         let (wait_ms, rate) = wait_and_rate(load, &fleet.judged(local), uncached, prior);
         Price { wait_ms, rate, uncached, local }
     }
@@ -308,7 +308,8 @@ impl CacheAwarePolicy {
     /// When the router sent `hit`'s prefix to its engine, if the engine has not started on that
     /// dispatch: serving first come first, it has not while a dispatch started before it waits
     /// unanswered there. Asked only where `hold_for_prefix` holds: `always`, or `auto` on an engine
-    /// seen to batch its prefill or not yet timed. A prefix the engine itself reported (`sent_ms` 0) is never held.
+    /// seen to batch its prefill or not yet timed. A prefix the engine itself reported (`sent_ms`
+    /// 0) is never held.
     /// `priced` is the engine's load as this pick already read it, if it did.
     fn unstarted(&self, hit: &PrefixHit, priced: impl FnOnce() -> Option<LocalLoad>) -> Option<u64> {
         if self.config.hold_for_prefix == HoldForPrefix::Never || hit.sent_ms == 0 {
@@ -317,8 +318,8 @@ impl CacheAwarePolicy {
         let local = priced().unwrap_or_else(|| self.gate.inflight.local_load(&hit.engine));
         // Not yet timed, an engine may batch as well as not: holding costs the wait for its first
         // byte, prefilling the prefix again beside the first dispatch may cost its whole batch.
-        let untimed = local.speed.weight() <= 0.0;
-        if self.config.hold_for_prefix == HoldForPrefix::Auto && !local.batching.batches() && !untimed {
+        let may_batch = local.batching.batches() || !local.speed.timed();
+        if self.config.hold_for_prefix == HoldForPrefix::Auto && !may_batch {
             return None;
         }
         let oldest = local.unanswered?;

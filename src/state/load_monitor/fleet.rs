@@ -50,12 +50,9 @@ impl Prior {
         let base = configured.min(shown_rate(engines, configured));
         let pooled = engines.iter().fold(SpeedFit::default(), |pooled, e| pooled.merged(&e.fit));
         let timed = pooled.speed(base).tokens_per_ms;
-        let slowest = engines
-            .iter()
-            .filter(|e| e.fit.weight() > 0.0)
-            .map(|e| e.fit.speed(timed).tokens_per_ms)
-            .fold(timed, f64::min);
-        let fleet_timed = engines.iter().any(|e| e.fit.weight() > 0.0);
+        let slowest =
+            engines.iter().filter(|e| e.fit.timed()).map(|e| e.fit.speed(timed).tokens_per_ms).fold(timed, f64::min);
+        let fleet_timed = engines.iter().any(|e| e.fit.timed());
         Self { timed, untimed: slowest, fleet_timed }
     }
 
@@ -66,7 +63,7 @@ impl Prior {
     /// the least busy — and be sent the next ones, before any of them answers. Its unanswered
     /// prompts still count whole (`pending_prefill_tokens`).
     pub fn judged(&self, local: LocalLoad) -> LocalLoad {
-        if self.fleet_timed || local.speed.weight() > 0.0 {
+        if self.fleet_timed || local.speed.timed() {
             local
         } else {
             LocalLoad { unanswered: None, ..local }
@@ -78,7 +75,7 @@ impl Prior {
     /// has shown nothing either way, and assumed slow it would never be sent the work that times
     /// it, so a fleet's idle engine would stay idle for good.
     pub fn of(&self, local: &LocalLoad) -> f64 {
-        if local.speed.weight() > 0.0 || local.dispatched_total == 0 {
+        if local.speed.timed() || local.dispatched_total == 0 {
             self.timed
         } else {
             self.untimed

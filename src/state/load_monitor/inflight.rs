@@ -320,7 +320,7 @@ impl Record {
     /// An engine never timed, with a dispatch waiting for its first byte, has shown nothing of how
     /// far it got: all it was sent and has not answered counts.
     pub(super) fn pending_at(&self, now_ms: u64) -> u64 {
-        if self.speed.weight() <= 0.0 && self.waiting.is_some() {
+        if !self.speed.timed() && self.waiting.is_some() {
             return self.outstanding_tokens;
         }
         let lane = self.queue.tokens_per_ms;

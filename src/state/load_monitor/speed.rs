@@ -107,6 +107,11 @@ impl SpeedFit {
         self.weight
     }
 
+    /// Whether any first byte has timed the engine (a NaN weight counts as none).
+    pub fn timed(&self) -> bool {
+        self.weight > 0.0
+    }
+
     /// The fit's line: its slope pulled toward the prior's as if by [`PRIOR_WEIGHT`] samples spread
     /// [`PRIOR_TOKENS`] apart, its intercept the samples' own.
     pub fn speed(&self, prior_tokens_per_ms: f64) -> Speed {
