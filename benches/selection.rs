@@ -50,7 +50,7 @@ fn loads(ws: &[Arc<Engine>]) -> LoadSnapshot {
                 prefill_queue_ms: None,
                 prefill_tokens_per_ms: None,
                 reported_at_ms: 0,
-                dispatches_at_report: 0,
+                sent_at_report: Default::default(),
                 rank_loads: Vec::new(),
             },
         )

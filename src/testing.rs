@@ -8,7 +8,8 @@ use crate::policies::{Pick, PickError, PickReason, PickRequest, Policy};
 use crate::registry::Role;
 use crate::registry::{Engine, EngineAddress};
 use crate::state::load_monitor::{
-    EngineLoad, FirstByte, InflightTable, LoadSnapshot, MemoryInflight, PrefillWork, ReportKind, Sample, StaticLoad,
+    EngineLoad, FirstByte, InflightTable, LoadSnapshot, MemoryInflight, PrefillWork, ReportKind, Sample, SentCounts,
+    StaticLoad,
 };
 
 pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Engine> {
@@ -45,7 +46,7 @@ pub fn native_load(running: u64, waiting: u64) -> EngineLoad {
         prefill_queue_ms: None,
         prefill_tokens_per_ms: None,
         reported_at_ms: 0,
-        dispatches_at_report: 0,
+        sent_at_report: SentCounts::default(),
         rank_loads: Vec::new(),
     }
 }

@@ -910,7 +910,7 @@ mod tests {
         s.inflight.release(id, 0, hold_ms);
         let mut load = native_load(running, waiting);
         load.max_running = Some(slots);
-        load.dispatches_at_report = s.inflight.dispatched_total(id);
+        load.sent_at_report = s.inflight.local_load(id).sent();
         (id.to_string(), load)
     }
 
@@ -972,6 +972,33 @@ mod tests {
         // Drained: the next difference decides — B was given more distinct content than A.
         s.inflight.acquire("B", PrefillWork { tokens: 4_000, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().engine.id, "A");
+    }
+
+    #[test]
+    fn a_miss_avoids_an_engine_sent_a_prompt_since_its_report_showed_no_prefill_waiting() {
+        let s = State::new();
+        // B was given more distinct content, long since prefilled: by content alone A is preferred.
+        s.inflight.acquire("B", PrefillWork { tokens: 8_000, tokens_per_ms: 1e9, ahead: 0, slot_wait_ms: 0 });
+        s.inflight.release("B", 8_000, 5);
+        let reported = |id: &str, waiting_uncached: u64| {
+            let mut load = native_load(0, 0);
+            load.waiting_uncached_tokens = Some(waiting_uncached);
+            load.sent_at_report = s.inflight.local_load(id).sent();
+            (id.to_string(), load)
+        };
+        let (a, b) = (reported("A", 0), reported("B", 0));
+        s.loads(&[(a.0.as_str(), a.1.clone()), (b.0.as_str(), b.1.clone())]);
+        let p = policy(&s, Fixed::matches(&[]), tuned(|c| c.min_load_choices = 2), AdmissionLimits::default());
+        assert_eq!(pick(&p, &["A", "B"], 2_000).unwrap().engine.id, "A");
+        // A is sent a prompt of 2,000 tokens at 16 tokens/ms: 125 ms of prefill its report cannot show.
+        s.inflight.acquire("A", PrefillWork { tokens: 2_000, tokens_per_ms: 16.0, ahead: 0, slot_wait_ms: 0 });
+        assert_eq!(pick(&p, &["A", "B"], 2_000).unwrap().engine.id, "B", "the report is older than the prompt");
+        let a_later = reported("A", 2_000);
+        s.loads(&[(a_later.0.as_str(), a_later.1), (b.0.as_str(), b.1.clone())]);
+        assert_eq!(pick(&p, &["A", "B"], 2_000).unwrap().engine.id, "B", "a report showing it, counted once");
+        s.loads(&[(a.0.as_str(), a.1), (b.0.as_str(), b.1)]);
+        s.inflight.set_now(1_000);
+        assert_eq!(pick(&p, &["A", "B"], 2_000).unwrap().engine.id, "A", "prefilled by the router's estimate");
     }
 
     /// `worker` answered `n` streamed requests of mixed lengths at `tokens_per_ms`.

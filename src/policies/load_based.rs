@@ -31,7 +31,7 @@ impl LoadBasedPolicy {
                 let load = match snapshot.get(&w.id) {
                     Some(report) => match (report.running, report.waiting) {
                         (Some(r), Some(q)) => {
-                            let since = counts.dispatched_total.saturating_sub(report.dispatches_at_report);
+                            let since = counts.sent().since(report.sent_at_report).dispatches;
                             r.saturating_add(q).saturating_add(since)
                         }
                         _ => local,
@@ -88,7 +88,7 @@ mod tests {
     fn dispatches_since_the_report_are_added() {
         let s = State::new();
         let mut a = native_load(1, 0);
-        a.dispatches_at_report = 10;
+        a.sent_at_report.dispatches = 10;
         s.loads(&[("A", a), ("B", native_load(3, 0))]);
         for _ in 0..13 {
             s.inflight.acquire("A", PrefillWork::NONE);

@@ -10,10 +10,18 @@ use crate::state::load_monitor::{EngineLoad, LocalLoad, Speed};
 /// request counts decide between engines that are not prefilling.
 pub const PREFILL_QUANTUM_TOKENS: u64 = 256;
 
-/// Uncached prompt tokens waiting at an engine: what it reports, else the router's own estimate
-/// of what it sent and the engine has not yet prefilled (docs/architecture.md, "Design deviations").
+/// Uncached prompt tokens waiting at an engine: what it reports plus what the router sent it since
+/// the report and, by its own estimate, the engine has not yet prefilled; without a report, that
+/// estimate alone (docs/architecture.md, "Design deviations"). A report is up to a poll old: a
+/// prompt sent since must not leave the engine looking idle to the requests that follow it.
 pub fn pending_prefill(load: Option<&EngineLoad>, local: &LocalLoad) -> u64 {
-    load.and_then(|l| l.waiting_uncached_tokens).unwrap_or(local.pending_prefill_tokens)
+    match load.and_then(|l| Some((l.waiting_uncached_tokens?, l.sent_at_report))) {
+        Some((reported, at_report)) => {
+            let sent_since = local.sent().since(at_report).uncached_tokens;
+            reported.saturating_add(sent_since.min(local.pending_prefill_tokens))
+        }
+        None => local.pending_prefill_tokens,
+    }
 }
 
 /// An engine's prefill rate in tokens per millisecond: measured from its counters, else as the
@@ -59,7 +67,7 @@ pub fn slot_wait_ms(load: Option<&EngineLoad>, local: &LocalLoad) -> f64 {
     match (load, local.hold_ms) {
         (Some(l), Some(hold_ms)) => match (l.running, l.waiting, l.max_running) {
             (Some(running), Some(waiting), Some(slots)) if slots > 0 => {
-                let sent_since = local.dispatched_total.saturating_sub(l.dispatches_at_report);
+                let sent_since = local.sent().since(l.sent_at_report).dispatches;
                 // Reported numbers are the engine's to choose: a sum that wrapped would make a full
                 // engine look idle.
                 let queued = running.saturating_add(waiting).saturating_add(sent_since).saturating_add(1);
@@ -106,6 +114,7 @@ pub fn compare_for_stage(stage: Role, a: &EngineLoad, b: &EngineLoad) -> Orderin
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::load_monitor::SentCounts;
     use crate::testing::native_load;
     use crate::testing::test;
 
@@ -130,9 +139,22 @@ mod tests {
         let local = LocalLoad { hold_ms: Some(400.0), dispatched_total: 12, ..LocalLoad::default() };
         let mut load = native_load(3, 0);
         load.max_running = Some(4);
-        load.dispatches_at_report = 10;
+        load.sent_at_report.dispatches = 10;
         // 3 running + 2 sent since + itself - 4 slots = 2 ahead, 100 ms each.
         assert_eq!(expected_wait_ms(Some(&load), &local, 0, 10.0), 200.0);
+    }
+
+    #[test]
+    fn prompts_sent_since_the_report_wait_too_while_the_router_thinks_them_unprefilled() {
+        let mut load = native_load(1, 0);
+        load.waiting_uncached_tokens = Some(500);
+        load.sent_at_report = SentCounts { dispatches: 3, uncached_tokens: 1_000 };
+        let local = LocalLoad { prefilled_total: 3_000, pending_prefill_tokens: 1_500, ..LocalLoad::default() };
+        assert_eq!(pending_prefill(Some(&load), &local), 2_000, "500 reported, 1,500 of the 2,000 sent since");
+        let drained = LocalLoad { pending_prefill_tokens: 0, ..local };
+        assert_eq!(pending_prefill(Some(&load), &drained), 500, "the sent ones are prefilled by the estimate");
+        load.waiting_uncached_tokens = None;
+        assert_eq!(pending_prefill(Some(&load), &local), 1_500, "no count reported: the estimate alone");
     }
 
     #[test]
@@ -143,7 +165,7 @@ mod tests {
         let full = expected_wait_ms(Some(&load), &local, 0, 10.0);
         load.running = Some(0);
         load.waiting = Some(0);
-        load.dispatches_at_report = u64::MAX;
+        load.sent_at_report.dispatches = u64::MAX;
         let idle = expected_wait_ms(Some(&load), &local, 0, 10.0);
         assert!(full > 1e18 && idle == 0.0, "full {full}, idle {idle}");
     }

@@ -15,7 +15,7 @@ use crate::host::{CalloutRequest, Host};
 use crate::registry::Engine;
 use crate::state::affinity_store::{AffinityStore, BindingKind};
 use crate::state::health::HealthMonitor;
-use crate::state::load_monitor::{InflightTable, LoadPoller, SharedInflight};
+use crate::state::load_monitor::{InflightTable, LoadPoller, SentCounts, SharedInflight};
 use crate::state::prefix::{wire, PrefixEvent, PrefixLog};
 use crate::state::{keys, shared, vm_registry};
 use crate::wiring::counters::label;
@@ -196,7 +196,7 @@ impl ServiceCore {
                 }
             }
             PollKind::Load(index) => {
-                let _ = self.load.record(index, None, now, 0);
+                let _ = self.load.record(index, None, now, SentCounts::default());
             }
         }
     }
@@ -215,8 +215,8 @@ impl ServiceCore {
             }
             PollKind::Load(index) => {
                 self.inflight.sync_if_due();
-                let dispatches = self.workers.get(index).map(|w| self.inflight.dispatched_total(&w.id)).unwrap_or(0);
-                if let Err(e) = self.load.record(index, ok.then_some(body), now, dispatches) {
+                let sent = self.workers.get(index).map(|w| self.inflight.local_load(&w.id).sent()).unwrap_or_default();
+                if let Err(e) = self.load.record(index, ok.then_some(body), now, sent) {
                     if let Some(w) = self.workers.get(index) {
                         log::warn!("load report of {} not understood: {e}", w.id);
                     }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use super::batching::{Batching, Pair};
 use super::fleet::{EngineFit, Prior};
 use super::speed::{Sample, Speed, SpeedFit};
+use super::table::SentCounts;
 use super::unanswered::{Unanswered, Waited, Waiting};
 
 /// Prefill work one dispatch hands an engine: its uncached prompt tokens, the rate at which the
@@ -64,6 +65,11 @@ impl LocalLoad {
     /// unanswered dispatch shows (`unanswered.rs`).
     pub fn speed_now(&self, prior_tokens_per_ms: f64) -> Speed {
         self.speed.speed_while(self.unanswered, prior_tokens_per_ms)
+    }
+
+    /// The running totals a load report is matched against.
+    pub fn sent(&self) -> SentCounts {
+        SentCounts { dispatches: self.dispatched_total, uncached_tokens: self.prefilled_total }
     }
 }
 

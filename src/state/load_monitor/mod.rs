@@ -21,5 +21,5 @@ pub use reports::{parse_get_load, parse_prometheus, parse_v1_loads, RankReport, 
 pub use shared_inflight::{SharedInflight, SYNC_MS};
 pub use shared_view::SharedLoadView;
 pub use speed::{Late, Sample, Speed, SpeedFit};
-pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, StaticLoad};
+pub use table::{EngineLoad, LoadSnapshot, LoadTable, LoadView, SentCounts, StaticLoad};
 pub use unanswered::{Waited, Waiting};

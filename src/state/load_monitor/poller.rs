@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::reports::{parse_get_load, parse_prometheus, parse_v1_loads, ReportError, ReportKind};
-use super::table::LoadTable;
+use super::table::{LoadTable, SentCounts};
 use crate::registry::Engine;
 use crate::state::schedule::PollSchedule;
 
@@ -81,14 +81,14 @@ impl LoadPoller {
         self.schedule.due(now_ms)
     }
 
-    /// Records a finished poll. `body` is `Some` only for a 2xx answer. `dispatches` is the
-    /// worker's dispatch counter now, so later readers can correct by what was sent since.
+    /// Records a finished poll. `body` is `Some` only for a 2xx answer. `sent` is what the router
+    /// has sent the worker until now, so later readers can correct by what was sent since.
     pub fn record(
         &mut self,
         index: usize,
         body: Option<&[u8]>,
         now_ms: u64,
-        dispatches: u64,
+        sent: SentCounts,
     ) -> Result<(), ReportError> {
         self.schedule.finished(index);
         let Some(worker) = self.workers.get(index) else {
@@ -96,7 +96,7 @@ impl LoadPoller {
         };
         let (Some(body), Some(endpoint)) = (body, self.endpoint) else { return Ok(()) };
         let (kind, reports) = endpoint.parse(body)?;
-        self.table.record(&worker.id, worker.dp_size, kind, reports, now_ms, dispatches);
+        self.table.record(&worker.id, worker.dp_size, kind, reports, now_ms, sent);
         self.dirty = true;
         Ok(())
     }
@@ -120,6 +120,10 @@ mod tests {
     use crate::testing::test;
     use crate::testing::worker;
 
+    fn sent(dispatches: u64) -> SentCounts {
+        SentCounts { dispatches, ..SentCounts::default() }
+    }
+
     fn poller(endpoint: Option<ReportEndpoint>) -> LoadPoller {
         LoadPoller::new(endpoint, 100, &[worker("A"), worker("B")])
     }
@@ -138,11 +142,14 @@ mod tests {
     fn a_successful_poll_is_published_once() {
         let mut p = poller(Some(ReportEndpoint::GetLoad));
         assert_eq!(p.due(0), vec![0, 1]);
-        p.record(0, Some(br#"[{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 5}]"#), 10, 7)
+        p.record(0, Some(br#"[{"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_tokens": 5}]"#), 10, sent(7))
             .unwrap();
         let published: LoadTable = serde_json::from_slice(&p.take_publication().unwrap()).unwrap();
         let a = published.snapshot(10, 1000).get("A").cloned().unwrap();
-        assert_eq!((a.running, a.waiting, a.kind, a.dispatches_at_report), (Some(2), Some(1), ReportKind::Basic, 7));
+        assert_eq!(
+            (a.running, a.waiting, a.kind, a.sent_at_report.dispatches),
+            (Some(2), Some(1), ReportKind::Basic, 7)
+        );
         assert!(p.take_publication().is_none(), "nothing new to publish");
     }
 
@@ -150,8 +157,8 @@ mod tests {
     fn a_failed_or_garbled_poll_records_nothing() {
         let mut p = poller(Some(ReportEndpoint::V1Loads));
         p.due(0);
-        p.record(0, None, 10, 0).unwrap();
-        assert!(p.record(1, Some(b"<html>"), 10, 0).is_err());
+        p.record(0, None, 10, sent(0)).unwrap();
+        assert!(p.record(1, Some(b"<html>"), 10, sent(0)).is_err());
         assert!(p.take_publication().is_none());
         assert_eq!(p.due(100), vec![0, 1], "both polls finished and are due again");
     }

@@ -70,7 +70,7 @@ impl LoadView for SharedLoadView {
 mod tests {
     use super::*;
     use crate::host::MemoryHost;
-    use crate::state::load_monitor::{RankReport, ReportKind};
+    use crate::state::load_monitor::{RankReport, ReportKind, SentCounts};
     use crate::state::shared::publish;
     use crate::testing::test;
 
@@ -81,7 +81,7 @@ mod tests {
         assert!(view.snapshot().get("A").is_none());
         let mut table = LoadTable::default();
         let report = RankReport { running: Some(3), waiting: Some(1), ..RankReport::default() };
-        table.record("A", 1, ReportKind::Basic, vec![report], host.now_ms(), 0);
+        table.record("A", 1, ReportKind::Basic, vec![report], host.now_ms(), SentCounts::default());
         publish(host.as_ref(), keys::LOAD_TABLE, &serde_json::to_vec(&table).unwrap()).unwrap();
         assert_eq!(view.snapshot().get("A").and_then(|l| l.running), Some(3));
         host.advance_ms(1000);

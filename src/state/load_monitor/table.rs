@@ -25,8 +25,10 @@ pub struct EngineLoad {
     pub prefill_tokens_per_ms: Option<f64>,
     /// When the oldest rank's report was taken.
     pub reported_at_ms: u64,
-    /// The worker's dispatch counter when that report arrived (for load_based's correction).
-    pub dispatches_at_report: u64,
+    /// What the router had sent the worker when that report arrived: what the report cannot show
+    /// yet.
+    #[serde(default)]
+    pub sent_at_report: SentCounts,
     /// Running + waiting requests per data-parallel rank, for an engine of several ranks: which
     /// rank a request is routed to (`routed_dp_rank`, spec §7).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -51,6 +53,23 @@ impl EngineLoad {
     }
 }
 
+/// The router's running totals of what it sent one engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentCounts {
+    pub dispatches: u64,
+    pub uncached_tokens: u64,
+}
+
+impl SentCounts {
+    /// What was sent after `earlier` was counted.
+    pub fn since(self, earlier: SentCounts) -> SentCounts {
+        SentCounts {
+            dispatches: self.dispatches.saturating_sub(earlier.dispatches),
+            uncached_tokens: self.uncached_tokens.saturating_sub(earlier.uncached_tokens),
+        }
+    }
+}
+
 /// One rank's latest report as the service keeps it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct RankSample {
@@ -65,7 +84,8 @@ struct WorkerLoad {
     kind: ReportKind,
     dp_size: u32,
     ranks: Vec<Option<RankSample>>,
-    dispatches_at_report: u64,
+    #[serde(default)]
+    sent_at_report: SentCounts,
 }
 
 /// The service's table and the document it publishes.
@@ -75,7 +95,8 @@ pub struct LoadTable {
 }
 
 impl LoadTable {
-    /// Records a successful poll of `worker` (`dp_size` ranks expected).
+    /// Records a successful poll of `worker` (`dp_size` ranks expected), when the router had sent it
+    /// `sent`.
     pub fn record(
         &mut self,
         worker: &str,
@@ -83,16 +104,16 @@ impl LoadTable {
         kind: ReportKind,
         reports: Vec<RankReport>,
         now_ms: u64,
-        dispatches: u64,
+        sent: SentCounts,
     ) {
         let entry = self.workers.entry(worker.to_string()).or_insert_with(|| WorkerLoad {
             kind,
             dp_size,
             ranks: vec![None; dp_size.max(1) as usize],
-            dispatches_at_report: dispatches,
+            sent_at_report: sent,
         });
         entry.kind = kind;
-        entry.dispatches_at_report = dispatches;
+        entry.sent_at_report = sent;
         if entry.ranks.len() != dp_size.max(1) as usize {
             entry.ranks = vec![None; dp_size.max(1) as usize];
         }
@@ -170,7 +191,7 @@ fn aggregate(w: &WorkerLoad, now_ms: u64, stale_after_ms: u64) -> Option<EngineL
         prefill_queue_ms: queue_ms,
         prefill_tokens_per_ms: rate,
         reported_at_ms: samples.iter().map(|s| s.at_ms).min().unwrap_or(now_ms),
-        dispatches_at_report: w.dispatches_at_report,
+        sent_at_report: w.sent_at_report,
         rank_loads: if samples.len() > 1 {
             reports().map(|r| r.running.unwrap_or(0).saturating_add(r.waiting.unwrap_or(0))).collect()
         } else {
@@ -242,7 +263,7 @@ mod tests {
     #[test]
     fn ranks_are_summed() {
         let mut t = LoadTable::default();
-        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2), native(1, 3, 4)], 1000, 0);
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2), native(1, 3, 4)], 1000, SentCounts::default());
         let l = t.snapshot(1000, 500).get("A").cloned().unwrap();
         assert_eq!((l.running, l.waiting, l.kv_used, l.kv_capacity), (Some(4), Some(6), Some(20), Some(200)));
     }
@@ -250,15 +271,15 @@ mod tests {
     #[test]
     fn a_worker_counts_only_when_every_rank_reported() {
         let mut t = LoadTable::default();
-        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2)], 1000, 0);
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2)], 1000, SentCounts::default());
         assert_eq!(t.snapshot(1000, 500).get("A"), None);
     }
 
     #[test]
     fn a_worker_counts_only_when_every_rank_is_fresh() {
         let mut t = LoadTable::default();
-        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2), native(1, 1, 1)], 1000, 0);
-        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2)], 1400, 0);
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2), native(1, 1, 1)], 1000, SentCounts::default());
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 2)], 1400, SentCounts::default());
         assert!(t.snapshot(1500, 500).get("A").is_some());
         assert_eq!(t.snapshot(1501, 500).get("A"), None, "rank 1 is now stale");
     }
@@ -266,7 +287,7 @@ mod tests {
     #[test]
     fn stale_reports_read_as_unknown() {
         let mut t = LoadTable::default();
-        t.record("A", 1, ReportKind::Native, vec![native(0, 9, 9)], 1000, 0);
+        t.record("A", 1, ReportKind::Native, vec![native(0, 9, 9)], 1000, SentCounts::default());
         assert!(t.snapshot(3000, 2000).get("A").is_some());
         assert_eq!(t.snapshot(3001, 2000).get("A"), None);
     }
@@ -276,7 +297,7 @@ mod tests {
         let mut t = LoadTable::default();
         let mut partial = native(1, 1, 1);
         partial.kv_used = None;
-        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 1), partial], 1000, 0);
+        t.record("A", 2, ReportKind::Native, vec![native(0, 1, 1), partial], 1000, SentCounts::default());
         let l = t.snapshot(1000, 500).get("A").cloned().unwrap();
         assert_eq!(l.kv_used, None);
         assert_eq!(l.running, Some(2));
@@ -291,10 +312,10 @@ mod tests {
             waiting_uncached_tokens: Some(waiting),
             ..native(0, 0, 0)
         };
-        t.record("A", 1, ReportKind::Native, vec![sample(1000, 100_000, 500)], 1000, 0);
+        t.record("A", 1, ReportKind::Native, vec![sample(1000, 100_000, 500)], 1000, SentCounts::default());
         assert_eq!(t.snapshot(1000, 500).get("A").unwrap().prefill_queue_ms, None, "one sample is not a rate");
         // 2,000 tokens in 100 ms busy = 20 tokens/ms; 500 waiting tokens → 25 ms.
-        t.record("A", 1, ReportKind::Native, vec![sample(3000, 200_000, 500)], 1250, 0);
+        t.record("A", 1, ReportKind::Native, vec![sample(3000, 200_000, 500)], 1250, SentCounts::default());
         let q = t.snapshot(1250, 500).get("A").unwrap().prefill_queue_ms.unwrap();
         assert!((q - 25.0).abs() < 1e-9, "{q}");
     }
@@ -304,9 +325,9 @@ mod tests {
         let mut t = LoadTable::default();
         let mut r = native(0, 1, 1);
         r.kv_capacity = Some(0);
-        t.record("A", 1, ReportKind::Native, vec![r], 1000, 0);
-        t.record("B", 1, ReportKind::Basic, vec![native(0, 1, 1)], 1000, 0);
-        t.record("C", 1, ReportKind::Native, vec![native(0, 1, 1)], 1000, 0);
+        t.record("A", 1, ReportKind::Native, vec![r], 1000, SentCounts::default());
+        t.record("B", 1, ReportKind::Basic, vec![native(0, 1, 1)], 1000, SentCounts::default());
+        t.record("C", 1, ReportKind::Native, vec![native(0, 1, 1)], 1000, SentCounts::default());
         let s = t.snapshot(1000, 500);
         assert!(!s.get("A").unwrap().is_native_with_capacity());
         assert!(!s.get("B").unwrap().is_native_with_capacity());
