@@ -222,6 +222,16 @@ impl AppContext {
         self.handles.inflight.publish_now();
     }
 
+    /// Tells the other VMs and the service at once of a dispatch that sent an engine a prompt to
+    /// prefill: its in-flight counts and its prefix. Held to the next request event, as cheaper
+    /// news is, it left the engine looking idle and the prompt unheld to the other VMs for tens of
+    /// milliseconds, in which they sent that engine more new prompts and the prompt's siblings
+    /// elsewhere to be prefilled again.
+    pub fn tell_prefill_now(&self) {
+        self.handles.inflight.publish_now();
+        self.handles.outbox.send();
+    }
+
     fn hold_stale_health_reads(&self) {
         let stale = self.availability.take_stale_reads();
         if stale > 0 {

@@ -44,6 +44,7 @@ use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
 use crate::config::QueueConfig;
 use crate::host::CalloutRequest;
+use crate::policies::pressure::PREFILL_QUANTUM_TOKENS;
 use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::Role;
 use crate::state::load_monitor::InflightGuard;
@@ -671,7 +672,11 @@ impl RequestLife {
         let decision = exchange.decision();
         let guard =
             app.on_dispatch(&upstream.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill());
+        let prefills_a_prompt = decision.prefill_tokens >= PREFILL_QUANTUM_TOKENS;
         app.carry_out(exchange.dispatched(&upstream.id));
+        if prefills_a_prompt {
+            app.tell_prefill_now();
+        }
         // The indexers' routed notices: nothing waits for them; their answers are only counted.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
         self.state = State::Routed(Box::new(Routed {
@@ -1386,6 +1391,10 @@ mod tests {
 
     /// Two cache-aware engines on `memory`, and the service's prefix log that publishes there.
     fn cached_app(memory: &Arc<MemoryHost>) -> (AppContext, crate::state::prefix::PrefixLog) {
+        cached_app_on(memory, 1)
+    }
+
+    fn cached_app_on(memory: &Arc<MemoryHost>, vm: u64) -> (AppContext, crate::state::prefix::PrefixLog) {
         use crate::state::prefix::{Budgets, PrefixLog};
         let config = json!({
             "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
@@ -1394,7 +1403,7 @@ mod tests {
                 "type": "cache_aware", "hold_for_prefix": true}}}}]}},
         });
         let config = parse_and_validate(&config.to_string()).unwrap();
-        let (handles, _) = filter_handles(&config, Arc::clone(memory) as Arc<dyn Host>, 1);
+        let (handles, _) = filter_handles(&config, Arc::clone(memory) as Arc<dyn Host>, vm);
         let log = PrefixLog::new(Budgets([("m".to_string(), 1 << 20)].into_iter().collect()));
         log.publish_start(memory.as_ref()).unwrap();
         (AppContext::new(config, handles), log)
@@ -1414,6 +1423,33 @@ mod tests {
         life.on_request_body(app, body.len(), true, &mut |_| body.to_vec(), &mut out);
         let actions = visible(&mut out);
         (life, actions)
+    }
+
+    /// With several worker threads, a dispatch is told the other VMs at the sending VM's next
+    /// request event past the sync period; one that sends an engine a prompt to prefill, at once.
+    #[test]
+    fn a_dispatch_sending_a_prompt_to_prefill_is_told_the_other_vms_and_the_service_at_once() {
+        use crate::state::keys;
+        use crate::state::load_monitor::SYNC_MS;
+        let memory = Arc::new(MemoryHost::default());
+        memory.set_now_ms(1_000);
+        let ((vm1, _), (vm2, _)) = (cached_app_on(&memory, 1), cached_app_on(&memory, 2));
+        for vm in [1, 2] {
+            crate::state::vm_registry::heartbeat(memory.as_ref(), vm, memory.now_ms(), true).unwrap();
+        }
+        let seen_by_vm2 = || ["A", "B"].iter().map(|w| vm2.handles().inflight.local_load(w).inflight).sum::<u64>();
+        let queued = || memory.drain(keys::PREFIX_QUEUE).len();
+        let (_first, _) = send_body(&vm1, 1, &streamed("hi"));
+        assert_eq!(queued(), 1, "nothing was sent before: at once");
+        memory.advance_ms(1);
+        let (_prompt, _) = send_body(&vm1, 2, &streamed(&"a long shared system prompt ".repeat(220)));
+        assert_eq!(queued(), 1, "a prompt to prefill: at once");
+        memory.advance_ms(1);
+        let (_turn, _) = send_body(&vm1, 3, &streamed("hello"));
+        assert_eq!(queued(), 0, "a few tokens to prefill: at the next event past the period");
+        memory.advance_ms(SYNC_MS);
+        let _ = vm2.sync_shared();
+        assert_eq!(seen_by_vm2(), 2, "the prompt's dispatch with the one before it; the turn's not yet");
     }
 
     /// Work ahead at one engine, unanswered since 1,000 ms; then a system prompt the router sent
