@@ -484,12 +484,15 @@ impl CacheAwarePolicy {
             None => input,
         };
         let holders = self.usable_holders(engines, matches, input, compared, &snapshot, prior);
-        // The chosen engine's match is what it is spared prefilling, whatever the reason it won;
-        // a usable holder's load was read when it was priced. Only a match the gates count as a
-        // hit is worth holding for: a few shared tokens cost little to prefill again.
+        // The chosen engine's match is what it is spared prefilling, whatever the reason it won,
+        // and all of it: a match only the indexer's speculation or a slower tier holds counts
+        // half for ranking, but counted half in the engine's pending prefill, a burst of siblings
+        // of one new prompt made its holder look seconds behind and was moved off it. A usable
+        // holder's load was read when it was priced. Only a match the gates count as a hit is
+        // worth holding for: a few shared tokens cost little to prefill again.
         let cached = |pick: Pick| {
             let hit = matches.iter().find(|h| h.engine == pick.engine.id);
-            let cached_tokens = hit.map_or(0, PrefixHit::effective_tokens).min(input);
+            let cached_tokens = hit.map_or(0, |h| h.matched_tokens).min(input);
             let priced = || holders.iter().find(|h| h.worker.id == pick.engine.id).map(|h| h.price.local);
             let prefix_unstarted =
                 hit.filter(|_| self.counts_as_hit(cached_tokens, compared)).and_then(|h| self.unstarted(h, priced));
@@ -1251,6 +1254,13 @@ mod tests {
         assert_eq!((hit.engine.id.as_str(), hit.cached_tokens), ("B", 900));
         let miss = pick(&p, &["A", "D"], 1000).unwrap();
         assert_eq!((miss.reason, miss.cached_tokens), (PickReason::CacheMiss, 0));
+        let speculative =
+            PrefixHit { engine: "B".into(), matched_tokens: 900, gpu_tokens: 0, ranks: vec![], sent_ms: 0 };
+        let answer = CacheLookup::Matches(Cow::Owned(vec![speculative]));
+        let source = Arc::new(Fixed { answer, lookups: AtomicUsize::new(0) });
+        let p = policy(&s, source, tuned(|_| {}), AdmissionLimits::default());
+        let hit = pick(&p, &["A", "B"], 1000).unwrap();
+        assert_eq!((hit.engine.id.as_str(), hit.cached_tokens), ("B", 900), "ranked at half, spared whole");
     }
 
     /// The remote source reads the indexer's answer the request carries, and nothing else.
