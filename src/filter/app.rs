@@ -222,14 +222,16 @@ impl AppContext {
         self.handles.inflight.publish_now();
     }
 
-    /// Tells the other VMs and the service at once of a dispatch that sent an engine a prompt to
-    /// prefill: its in-flight counts and its prefix. Held to the next request event, as cheaper
-    /// news is, it left the engine looking idle and the prompt unheld to the other VMs for tens of
-    /// milliseconds, in which they sent that engine more new prompts and the prompt's siblings
-    /// elsewhere to be prefilled again.
+    /// Tells the other VMs and the service of a dispatch that sent an engine a prompt to prefill
+    /// (its in-flight counts and its prefix) at once, but not twice within
+    /// [`NEWS_MS`](crate::state::schedule::NEWS_MS). Held to the next request event past the
+    /// period, as cheaper news is, it left the engine looking idle and the prompt unheld to the
+    /// other VMs for tens of milliseconds, in which they sent that engine more new prompts and the
+    /// prompt's siblings elsewhere to be prefilled again. Told on every such dispatch, a stream of
+    /// distinct prompts woke the service once per request.
     pub fn tell_prefill_now(&self) {
-        self.handles.inflight.publish_now();
-        self.handles.outbox.send();
+        self.handles.inflight.publish_news();
+        self.handles.outbox.send_news();
     }
 
     fn hold_stale_health_reads(&self) {

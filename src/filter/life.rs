@@ -1426,7 +1426,8 @@ mod tests {
     }
 
     /// With several worker threads, a dispatch is told the other VMs at the sending VM's next
-    /// request event past the sync period; one that sends an engine a prompt to prefill, at once.
+    /// request event past the sync period; one that sends an engine a prompt to prefill, at once,
+    /// but at most once a millisecond.
     #[test]
     fn a_dispatch_sending_a_prompt_to_prefill_is_told_the_other_vms_and_the_service_at_once() {
         use crate::state::keys;
@@ -1444,12 +1445,18 @@ mod tests {
         memory.advance_ms(1);
         let (_prompt, _) = send_body(&vm1, 2, &streamed(&"a long shared system prompt ".repeat(220)));
         assert_eq!(queued(), 1, "a prompt to prefill: at once");
+        let (_next, _) = send_body(&vm1, 3, &streamed(&"another long system prompt ".repeat(220)));
+        assert_eq!(queued(), 0, "a second one within the millisecond waits");
         memory.advance_ms(1);
-        let (_turn, _) = send_body(&vm1, 3, &streamed("hello"));
+        let (_turn, _) = send_body(&vm1, 4, &streamed("hello"));
         assert_eq!(queued(), 0, "a few tokens to prefill: at the next event past the period");
+        let _ = vm2.sync_shared();
+        assert_eq!(seen_by_vm2(), 2, "the first prompt's dispatch with the one before it, not yet the rest");
+        let (_last, _) = send_body(&vm1, 5, &streamed(&"a third long system prompt ".repeat(220)));
+        assert_eq!(queued(), 1, "a millisecond later: every event held so far");
         memory.advance_ms(SYNC_MS);
         let _ = vm2.sync_shared();
-        assert_eq!(seen_by_vm2(), 2, "the prompt's dispatch with the one before it; the turn's not yet");
+        assert_eq!(seen_by_vm2(), 5);
     }
 
     /// Work ahead at one engine, unanswered since 1,000 ms; then a system prompt the router sent

@@ -21,7 +21,12 @@ impl Period {
 
     /// Never done yet, or a whole period since it was.
     pub fn elapsed(&self, now_ms: u64) -> bool {
-        self.last_ms.is_none_or(|t| now_ms.saturating_sub(t) >= self.every_ms)
+        self.passed(self.every_ms, now_ms)
+    }
+
+    /// Never done yet, or at least `ms` since it was.
+    pub fn passed(&self, ms: u64, now_ms: u64) -> bool {
+        self.last_ms.is_none_or(|t| now_ms.saturating_sub(t) >= ms)
     }
 
     /// The request path's rule for what a VM owes the rest of Envoy: at once when the VM is
@@ -34,6 +39,12 @@ impl Period {
         self.last_ms = Some(now_ms);
     }
 }
+
+/// News that changes where the other VMs send prompts (a prompt sent to an engine to prefill) is
+/// handed over at most this often rather than once per period: at once when prompts come tens of
+/// milliseconds apart, and one message per millisecond, not one per request, when every request
+/// brings a new prompt at saturation.
+pub const NEWS_MS: u64 = 1;
 
 /// What a VM holds back and hands over in one go, because each handing-over is a host call: at
 /// most once per period while it has requests in flight, at once when its last one ends (no later
@@ -73,6 +84,16 @@ impl<C: Held> Batched<C> {
     /// What is held, if anything, when a period has passed since the last handing-over or `idle`.
     pub fn take_if_due(&mut self, idle: bool, now_ms: u64) -> Option<C> {
         if self.sent.due(idle, now_ms) {
+            self.take(now_ms)
+        } else {
+            None
+        }
+    }
+
+    /// What is held, if anything, when at least `ms` passed since the last handing-over: news
+    /// that cannot wait a whole period, still bounded in rate.
+    pub fn take_if_older(&mut self, ms: u64, now_ms: u64) -> Option<C> {
+        if self.sent.passed(ms, now_ms) {
             self.take(now_ms)
         } else {
             None

@@ -25,7 +25,7 @@ use super::inflight::{FirstByte, InflightTable, LocalLoad, PrefillQueue, Prefill
 use super::speed::SpeedFit;
 use super::unanswered::{Unanswered, Waiting};
 use crate::host::{Host, HostError};
-use crate::state::schedule::Period;
+use crate::state::schedule::{Period, NEWS_MS};
 use crate::state::shared::decode_u64;
 use crate::state::{keys, vm_registry};
 
@@ -472,6 +472,13 @@ impl InflightTable for SharedInflight {
 
     fn publish_now(&self) {
         self.publish(self.host.now_ms());
+    }
+
+    fn publish_news(&self) {
+        let now = self.host.now_ms();
+        if self.state.lock().is_ok_and(|s| s.dirty && s.published.passed(NEWS_MS, now)) {
+            self.publish(now);
+        }
     }
 
     /// Publishes this VM's records if they changed, then reads every other live VM's.

@@ -12,7 +12,7 @@ use super::events::PrefixEvent;
 use super::wire;
 use crate::host::Host;
 use crate::state::keys;
-use crate::state::schedule::Batched;
+use crate::state::schedule::{Batched, NEWS_MS};
 
 pub struct PrefixOutbox {
     host: Arc<dyn Host>,
@@ -37,6 +37,11 @@ impl PrefixOutbox {
     /// Sends what is held if a period passed since the last message, or at once when `idle`.
     pub fn send_if_due(&self, idle: bool) {
         self.send_when(|held, now| held.take_if_due(idle, now));
+    }
+
+    /// Sends what is held if [`NEWS_MS`] passed since the last message.
+    pub fn send_news(&self) {
+        self.send_when(|held, now| held.take_if_older(NEWS_MS, now));
     }
 
     /// Sends what is held.
