@@ -229,7 +229,7 @@ impl AppContext {
     /// other VMs for tens of milliseconds, in which they sent that engine more new prompts and the
     /// prompt's siblings elsewhere to be prefilled again. Told on every such dispatch, a stream of
     /// distinct prompts woke the service once per request.
-    pub fn tell_prefill_now(&self) {
+    pub fn tell_news(&self) {
         self.handles.inflight.publish_news();
         self.handles.outbox.send_news();
     }

@@ -675,7 +675,7 @@ impl RequestLife {
         let prefills_a_prompt = decision.prefill_tokens >= PREFILL_QUANTUM_TOKENS;
         app.carry_out(exchange.dispatched(&upstream.id));
         if prefills_a_prompt {
-            app.tell_prefill_now();
+            app.tell_news();
         }
         // The indexers' routed notices: nothing waits for them; their answers are only counted.
         out.extend(exchange.take_notices().into_iter().map(Action::Notify));
@@ -1457,6 +1457,31 @@ mod tests {
         memory.advance_ms(SYNC_MS);
         let _ = vm2.sync_shared();
         assert_eq!(seen_by_vm2(), 5);
+    }
+
+    /// A request's arrival hands over what its VM owes the others once a period has passed; the
+    /// dispatch that follows it in the same millisecond is news all the same.
+    #[test]
+    fn a_prompt_to_prefill_is_told_at_once_though_its_arrival_just_handed_over_the_rest() {
+        use crate::state::keys;
+        use crate::state::load_monitor::SYNC_MS;
+        let memory = Arc::new(MemoryHost::default());
+        memory.set_now_ms(1_000);
+        let ((vm1, _), (vm2, _)) = (cached_app_on(&memory, 1), cached_app_on(&memory, 2));
+        for vm in [1, 2] {
+            crate::state::vm_registry::heartbeat(memory.as_ref(), vm, memory.now_ms(), true).unwrap();
+        }
+        let seen_by_vm2 = || ["A", "B"].iter().map(|w| vm2.handles().inflight.local_load(w).inflight).sum::<u64>();
+        let queued = || memory.drain(keys::PREFIX_QUEUE).len();
+        let (_first, _) = send_body(&vm1, 1, &streamed("hi"));
+        memory.advance_ms(1);
+        let (_turn, _) = send_body(&vm1, 2, &streamed("hello"));
+        assert_eq!(queued(), 1, "the first at once, the turn held for the period");
+        memory.advance_ms(SYNC_MS);
+        let (_prompt, _) = send_body(&vm1, 3, &streamed(&"a long shared system prompt ".repeat(220)));
+        assert_eq!(queued(), 2, "the turn's event as the prompt arrived, the prompt's after its dispatch");
+        let _ = vm2.sync_shared();
+        assert_eq!(seen_by_vm2(), 3, "the prompt's dispatch with the two before it");
     }
 
     /// Work ahead at one engine, unanswered since 1,000 ms; then a system prompt the router sent

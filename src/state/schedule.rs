@@ -21,12 +21,7 @@ impl Period {
 
     /// Never done yet, or a whole period since it was.
     pub fn elapsed(&self, now_ms: u64) -> bool {
-        self.passed(self.every_ms, now_ms)
-    }
-
-    /// Never done yet, or at least `ms` since it was.
-    pub fn passed(&self, ms: u64, now_ms: u64) -> bool {
-        self.last_ms.is_none_or(|t| now_ms.saturating_sub(t) >= ms)
+        self.last_ms.is_none_or(|t| now_ms.saturating_sub(t) >= self.every_ms)
     }
 
     /// The request path's rule for what a VM owes the rest of Envoy: at once when the VM is
@@ -43,7 +38,9 @@ impl Period {
 /// News that changes where the other VMs send prompts (a prompt sent to an engine to prefill) is
 /// handed over at most this often rather than once per period: at once when prompts come tens of
 /// milliseconds apart, and one message per millisecond, not one per request, when every request
-/// brings a new prompt at saturation.
+/// brings a new prompt at saturation. News keeps its own clock: a handing-over the period made
+/// just before it, in the same millisecond (a request's arrival, before its dispatch is known),
+/// must not hold it back to the next request event.
 pub const NEWS_MS: u64 = 1;
 
 /// What a VM holds back and hands over in one go, because each handing-over is a host call: at
@@ -53,6 +50,7 @@ pub const NEWS_MS: u64 = 1;
 pub struct Batched<C> {
     held: C,
     sent: Period,
+    news: Period,
 }
 
 /// A collection a [`Batched`] holds.
@@ -74,7 +72,7 @@ impl<K, V> Held for hashbrown::HashMap<K, V> {
 
 impl<C: Held> Batched<C> {
     pub fn every(period_ms: u64) -> Self {
-        Self { held: C::default(), sent: Period::every(period_ms) }
+        Self { held: C::default(), sent: Period::every(period_ms), news: Period::every(NEWS_MS) }
     }
 
     pub fn held_mut(&mut self) -> &mut C {
@@ -90,14 +88,17 @@ impl<C: Held> Batched<C> {
         }
     }
 
-    /// What is held, if anything, when at least `ms` passed since the last handing-over: news
-    /// that cannot wait a whole period, still bounded in rate.
-    pub fn take_if_older(&mut self, ms: u64, now_ms: u64) -> Option<C> {
-        if self.sent.passed(ms, now_ms) {
-            self.take(now_ms)
-        } else {
-            None
+    /// What is held, if anything, unless news was handed over less than [`NEWS_MS`] ago: news that
+    /// cannot wait a whole period, still bounded in rate.
+    pub fn take_news(&mut self, now_ms: u64) -> Option<C> {
+        if !self.news.elapsed(now_ms) {
+            return None;
         }
+        let taken = self.take(now_ms);
+        if taken.is_some() {
+            self.news.done(now_ms);
+        }
+        taken
     }
 
     /// What is held, if anything.

@@ -104,8 +104,8 @@ pub trait InflightTable: Send + Sync + std::fmt::Debug {
     fn sync(&self) {}
     /// Tells the other VMs this router's counts now, if they changed; reads nothing.
     fn publish_now(&self) {}
-    /// [`Self::publish_now`] if [`NEWS_MS`](crate::state::schedule::NEWS_MS) passed since the last
-    /// publication.
+    /// [`Self::publish_now`] unless news was published less than
+    /// [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago.
     fn publish_news(&self) {}
     /// [`Self::sync`] if the last one is older than the table's period: called on the request
     /// path, so the exchange keeps pace with traffic and costs nothing while there is none.

@@ -11,7 +11,9 @@
 //! bound, stated: a VM sees its own dispatches at once; a change of another VM's is published at
 //! that VM's next request event at least [`SYNC_MS`] after its last publication (at once when its
 //! requests are further apart, and when its last request in flight ends), or by its next heartbeat
-//! (within a second); and read on this VM's next request at least [`SYNC_MS`] after its last read. A cap such as `max_inflight_requests` can be
+//! (within a second), except that a dispatch sending an engine a prompt to prefill is published at
+//! once unless such news was published less than [`NEWS_MS`] ago; and read on this VM's next
+//! request at least [`SYNC_MS`] after its last read. A cap such as `max_inflight_requests` can be
 //! exceeded by at most what the other VMs dispatched in that window; with one worker thread the
 //! counts are exact. Each VM's prefill estimate drains as its own lane, so with several VMs the
 //! pending-prefill sum drains up to that many times faster than one lane would, and stays bounded
@@ -235,6 +237,8 @@ struct Synced {
     /// This VM's dispatches still in flight, over every worker.
     active: u64,
     published: Period,
+    /// Publications of news, on their own clock (`NEWS_MS`).
+    news: Period,
     read: Period,
 }
 
@@ -269,6 +273,7 @@ impl SharedInflight {
             dirty: false,
             active: 0,
             published: Period::every(SYNC_MS),
+            news: Period::every(NEWS_MS),
             read: Period::every(SYNC_MS),
         };
         Self { host, vm, names, index, state: Mutex::new(state) }
@@ -476,7 +481,14 @@ impl InflightTable for SharedInflight {
 
     fn publish_news(&self) {
         let now = self.host.now_ms();
-        if self.state.lock().is_ok_and(|s| s.dirty && s.published.passed(NEWS_MS, now)) {
+        let due = self.state.lock().is_ok_and(|mut s| {
+            let due = s.dirty && s.news.elapsed(now);
+            if due {
+                s.news.done(now);
+            }
+            due
+        });
+        if due {
             self.publish(now);
         }
     }

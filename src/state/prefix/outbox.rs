@@ -4,7 +4,10 @@
 //! period; a VM with nothing else in flight sends at once, so a conversation's next turn never
 //! waits on a batch. The bound, stated: an event reaches the service queue when its VM next syncs
 //! (a request arriving, dispatched or ending) at least one period after the last message, when the
-//! VM's last request in flight ends, or on the VM's heartbeat (within a second), whichever is first.
+//! VM's last request in flight ends, or on the VM's heartbeat (within a second), whichever is first;
+//! and after a dispatch that sends an engine a prompt to prefill, at once unless such news went less
+//! than [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago ([`PrefixOutbox::send_news`]): that prefix decides where the other VMs send
+//! the prompt's siblings.
 
 use std::sync::{Arc, Mutex};
 
@@ -12,7 +15,7 @@ use super::events::PrefixEvent;
 use super::wire;
 use crate::host::Host;
 use crate::state::keys;
-use crate::state::schedule::{Batched, NEWS_MS};
+use crate::state::schedule::Batched;
 
 pub struct PrefixOutbox {
     host: Arc<dyn Host>,
@@ -39,9 +42,9 @@ impl PrefixOutbox {
         self.send_when(|held, now| held.take_if_due(idle, now));
     }
 
-    /// Sends what is held if [`NEWS_MS`] passed since the last message.
+    /// Sends what is held unless news went less than [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago ([`Batched::take_news`]).
     pub fn send_news(&self) {
-        self.send_when(|held, now| held.take_if_older(NEWS_MS, now));
+        self.send_when(|held, now| held.take_news(now));
     }
 
     /// Sends what is held.
