@@ -1425,21 +1425,31 @@ mod tests {
         (life, actions)
     }
 
+    /// Two filter VMs serving on one host, at 1,000 ms.
+    fn two_serving_vms(memory: &Arc<MemoryHost>) -> (AppContext, AppContext) {
+        memory.set_now_ms(1_000);
+        let ((vm1, _), (vm2, _)) = (cached_app_on(memory, 1), cached_app_on(memory, 2));
+        for vm in [1, 2] {
+            crate::state::vm_registry::heartbeat(memory.as_ref(), vm, memory.now_ms(), true).unwrap();
+        }
+        (vm1, vm2)
+    }
+
+    /// The requests in flight `app` sees on both engines, its own and the other VMs' as last read.
+    fn inflight_seen(app: &AppContext) -> u64 {
+        ["A", "B"].iter().map(|w| app.handles().inflight.local_load(w).inflight).sum()
+    }
+
     /// With several worker threads, a dispatch is told the other VMs at the sending VM's next
     /// request event past the sync period; one that sends an engine a prompt to prefill, at once,
     /// but at most once a millisecond.
     #[test]
     fn a_dispatch_sending_a_prompt_to_prefill_is_told_the_other_vms_and_the_service_at_once() {
-        use crate::state::keys;
         use crate::state::load_monitor::SYNC_MS;
         let memory = Arc::new(MemoryHost::default());
-        memory.set_now_ms(1_000);
-        let ((vm1, _), (vm2, _)) = (cached_app_on(&memory, 1), cached_app_on(&memory, 2));
-        for vm in [1, 2] {
-            crate::state::vm_registry::heartbeat(memory.as_ref(), vm, memory.now_ms(), true).unwrap();
-        }
-        let seen_by_vm2 = || ["A", "B"].iter().map(|w| vm2.handles().inflight.local_load(w).inflight).sum::<u64>();
-        let queued = || memory.drain(keys::PREFIX_QUEUE).len();
+        let (vm1, vm2) = two_serving_vms(&memory);
+        let seen_by_vm2 = || inflight_seen(&vm2);
+        let queued = || memory.drain(crate::state::keys::PREFIX_QUEUE).len();
         let (_first, _) = send_body(&vm1, 1, &streamed("hi"));
         assert_eq!(queued(), 1, "nothing was sent before: at once");
         memory.advance_ms(1);
@@ -1463,16 +1473,11 @@ mod tests {
     /// dispatch that follows it in the same millisecond is news all the same.
     #[test]
     fn a_prompt_to_prefill_is_told_at_once_though_its_arrival_just_handed_over_the_rest() {
-        use crate::state::keys;
         use crate::state::load_monitor::SYNC_MS;
         let memory = Arc::new(MemoryHost::default());
-        memory.set_now_ms(1_000);
-        let ((vm1, _), (vm2, _)) = (cached_app_on(&memory, 1), cached_app_on(&memory, 2));
-        for vm in [1, 2] {
-            crate::state::vm_registry::heartbeat(memory.as_ref(), vm, memory.now_ms(), true).unwrap();
-        }
-        let seen_by_vm2 = || ["A", "B"].iter().map(|w| vm2.handles().inflight.local_load(w).inflight).sum::<u64>();
-        let queued = || memory.drain(keys::PREFIX_QUEUE).len();
+        let (vm1, vm2) = two_serving_vms(&memory);
+        let seen_by_vm2 = || inflight_seen(&vm2);
+        let queued = || memory.drain(crate::state::keys::PREFIX_QUEUE).len();
         let (_first, _) = send_body(&vm1, 1, &streamed("hi"));
         memory.advance_ms(1);
         let (_turn, _) = send_body(&vm1, 2, &streamed("hello"));
