@@ -24,6 +24,15 @@ impl Period {
         self.last_ms.is_none_or(|t| now_ms.saturating_sub(t) >= self.every_ms)
     }
 
+    /// [`Self::elapsed`], and if so done now: one caller's turn, claimed.
+    pub fn claim(&mut self, now_ms: u64) -> bool {
+        let due = self.elapsed(now_ms);
+        if due {
+            self.done(now_ms);
+        }
+        due
+    }
+
     /// The request path's rule for what a VM owes the rest of Envoy: at once when the VM is
     /// `idle` (no later request of its own would carry it), else once the period has passed.
     pub fn due(&self, idle: bool, now_ms: u64) -> bool {
@@ -91,14 +100,10 @@ impl<C: Held> Batched<C> {
     /// What is held, if anything, unless news was handed over less than [`NEWS_MS`] ago: news that
     /// cannot wait a whole period, still bounded in rate.
     pub fn take_news(&mut self, now_ms: u64) -> Option<C> {
-        if !self.news.elapsed(now_ms) {
+        if self.held.is_empty() || !self.news.claim(now_ms) {
             return None;
         }
-        let taken = self.take(now_ms);
-        if taken.is_some() {
-            self.news.done(now_ms);
-        }
-        taken
+        self.take(now_ms)
     }
 
     /// What is held, if anything.

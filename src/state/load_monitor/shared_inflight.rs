@@ -481,14 +481,7 @@ impl InflightTable for SharedInflight {
 
     fn publish_news(&self) {
         let now = self.host.now_ms();
-        let due = self.state.lock().is_ok_and(|mut s| {
-            let due = s.dirty && s.news.elapsed(now);
-            if due {
-                s.news.done(now);
-            }
-            due
-        });
-        if due {
+        if self.state.lock().is_ok_and(|mut s| s.dirty && s.news.claim(now)) {
             self.publish(now);
         }
     }

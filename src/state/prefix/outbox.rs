@@ -6,8 +6,8 @@
 //! (a request arriving, dispatched or ending) at least one period after the last message, when the
 //! VM's last request in flight ends, or on the VM's heartbeat (within a second), whichever is first;
 //! and after a dispatch that sends an engine a prompt to prefill, at once unless such news went less
-//! than [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago ([`PrefixOutbox::send_news`]): that prefix decides where the other VMs send
-//! the prompt's siblings.
+//! than [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago ([`PrefixOutbox::send_news`]): that
+//! prefix decides where the other VMs send the prompt's siblings.
 
 use std::sync::{Arc, Mutex};
 
@@ -42,7 +42,8 @@ impl PrefixOutbox {
         self.send_when(|held, now| held.take_if_due(idle, now));
     }
 
-    /// Sends what is held unless news went less than [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago ([`Batched::take_news`]).
+    /// Sends what is held unless news went less than
+    /// [`NEWS_MS`](crate::state::schedule::NEWS_MS) ago ([`Batched::take_news`]).
     pub fn send_news(&self) {
         self.send_when(|held, now| held.take_news(now));
     }
