@@ -7,9 +7,11 @@
 //!
 //! The fit is kept as sums, so the records of several VMs add up to the fit over all their
 //! samples; each VM forgets its own samples geometrically, so a fit follows an engine that slows
-//! down. The configured rate (`load.prefill_tokens_per_s`) is the prior: two pseudo-samples on its
-//! line that real samples outweigh within a few requests, and that keep a fit from the same few
-//! prompt lengths from tilting far.
+//! down. The prior is a line, not a rate: no overhead, and the configured rate
+//! (`load.prefill_tokens_per_s`) as its slope, each worth a fraction of a sample. Real samples
+//! outweigh it within a few requests wherever their lengths differ. Where they do not — the
+//! start-up's cold prompts, all of one length — the two pulls split what the samples leave open:
+//! a long prompt's time goes to the rate, a short one's to the overhead.
 
 use super::unanswered::Waited;
 
@@ -21,6 +23,13 @@ const PRIOR_WEIGHT: f64 = 0.05;
 
 /// A cold prompt's length.
 const PRIOR_TOKENS: f64 = 2048.0;
+
+/// The prior overhead's weight, in samples: a first byte needs no more than a scheduler turn and
+/// the network beyond its prefill. Against [`PRIOR_WEIGHT`]'s slope, this reads the time of
+/// prompts of one length past a few hundred tokens as prefill: a fit whose overhead took the
+/// start-up's seconds would price a cold prefill there at the configured rate, ten times too
+/// cheap on a slow fleet, and draw every moved session to the first engine timed.
+const OVERHEAD_PRIOR_WEIGHT: f64 = 0.5;
 
 /// A sample further from the line than this many mean deviations counts less (Huber): a request
 /// that waited for a running slot, or for a long decode step, says little about prefill.
@@ -113,7 +122,8 @@ impl SpeedFit {
     }
 
     /// The fit's line: its slope pulled toward the prior's as if by [`PRIOR_WEIGHT`] samples spread
-    /// [`PRIOR_TOKENS`] apart, its intercept the samples' own.
+    /// [`PRIOR_TOKENS`] apart, its intercept toward none as if by [`OVERHEAD_PRIOR_WEIGHT`] samples
+    /// at the origin.
     pub fn speed(&self, prior_tokens_per_ms: f64) -> Speed {
         let prior = Speed::prior(prior_tokens_per_ms);
         // No sample (or a NaN that slipped through): the prior.
@@ -121,7 +131,10 @@ impl SpeedFit {
             return prior;
         }
         let slope0 = 1.0 / prior.tokens_per_ms;
-        let (mean_x, mean_y) = (self.x / self.weight, self.y / self.weight);
+        // Least squares with both priors: the overhead pulled toward none, the slope toward the
+        // prior's by `ridge`; solved for the slope by eliminating the overhead.
+        let weight = self.weight + OVERHEAD_PRIOR_WEIGHT;
+        let (mean_x, mean_y) = (self.x / weight, self.y / weight);
         let spread = (self.xx - self.x * mean_x).max(0.0);
         let co = self.xy - self.x * mean_y;
         let line = |ridge: f64| (co + ridge * slope0) / (spread + ridge);
@@ -347,6 +360,30 @@ mod tests {
     }
 
     #[test]
+    fn cold_prompts_of_one_length_are_read_as_prefill_not_overhead() {
+        // Start-up on a fleet ten times slower than configured: every first byte so far is a cold
+        // 2,100-token prompt's, at 3 tokens/ms and 10 ms overhead.
+        for n in [1, 3, 12] {
+            let mut fit = SpeedFit::default();
+            for _ in 0..n {
+                fit.observe(Sample { tokens: 2_100, ms: 710 }, 20.0);
+            }
+            let speed = fit.speed(20.0);
+            assert!(speed.tokens_per_ms < 3.5 && speed.tokens_per_ms > 2.8, "{n} samples: {speed:?}");
+            assert!(speed.overhead_ms < 60.0, "{n} samples: {speed:?}");
+            // Priced at the configured rate with the rest as overhead, a cold prefill there would
+            // cost a tenth of its time each time it is counted.
+            assert!((speed.first_byte_ms(2_100) - 710.0).abs() < 40.0, "{n} samples: {speed:?}");
+        }
+        // Short prompts of one length keep their time as overhead: a hit says little of the rate.
+        let mut fit = SpeedFit::default();
+        for _ in 0..12 {
+            fit.observe(Sample { tokens: 60, ms: 40 }, 20.0);
+        }
+        assert!(fit.speed(20.0).tokens_per_ms > 12.0, "{:?}", fit.speed(20.0));
+    }
+
+    #[test]
     fn first_bytes_that_do_not_grow_with_tokens_claim_no_rate_much_faster_than_the_prior() {
         // Start-up: the longer prompts went first and the shorter ones queued behind them.
         let mut fit = SpeedFit::default();
@@ -355,7 +392,9 @@ mod tests {
         }
         let speed = fit.speed(20.0);
         assert!(speed.tokens_per_ms < 25.0, "{speed:?}");
-        assert!((speed.first_byte_ms(1_625) - 745.0).abs() < 30.0, "it still fits what it saw: {speed:?}");
+        // Within a tenth: the prior's half a sample of no overhead pulls four samples' level by
+        // as much as it pulls their overhead, the slope being held at the prior's.
+        assert!((speed.first_byte_ms(1_625) - 745.0).abs() < 75.0, "it still fits what it saw: {speed:?}");
     }
 
     #[test]
