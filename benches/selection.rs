@@ -83,6 +83,7 @@ fn main() {
         indexer: None,
         session_key: None,
         routing_key: None,
+        prefix_wait_over: false,
     };
     let limits =
         AdmissionLimits { max_running_requests: Some(1_000), max_inflight_requests: Some(1_000), ..Default::default() };

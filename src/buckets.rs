@@ -140,6 +140,8 @@ pub struct BucketRequest {
     pub indexer: Option<IndexerAnswer>,
     pub session_key: Option<String>,
     pub routing_key: Option<String>,
+    /// It waited for its prefix as long as it may, or waited in the queue: it goes now.
+    pub prefix_wait_over: bool,
 }
 
 impl BucketRequest {
@@ -155,6 +157,7 @@ impl BucketRequest {
             indexer: self.indexer.as_ref(),
             session_key: self.session_key.as_deref(),
             routing_key: self.routing_key.as_deref(),
+            prefix_wait_over: self.prefix_wait_over,
         }
     }
 }

@@ -87,6 +87,7 @@ pub fn request(stage: Role) -> crate::policies::PickRequest<'static> {
         indexer: None,
         session_key: None,
         routing_key: None,
+        prefix_wait_over: false,
     }
 }
 

@@ -294,12 +294,13 @@ impl AppContext {
             indexer,
             session_key: key(&model.session_id_header),
             routing_key: key(&model.routing_key_header),
+            prefix_wait_over: false,
         };
         let rid = request_id(&facts.client_rid, header(REQUEST_ID_HEADER).as_deref(), self.handles.random.as_ref());
         // Kept only where it may be rewritten: the id goes in, or a PD or rank pick rewrites it.
         let rewrites = rid.as_ref().is_some_and(|r| r.injected) || self.rewriting_models.contains(&facts.model);
         let body = rewrites.then_some(body);
-        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call, may_hold: true })
+        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call })
     }
 
     /// Selects engines for a prepared request and makes its decision.

@@ -254,6 +254,13 @@ fn spread_key(w: &Engine, load: Option<&EngineLoad>, local: LocalLoad) -> (u64, 
     (local.prefilled_total / PREFILL_QUANTUM_TOKENS, reported.unwrap_or(local.inflight), local.inflight, w.id.clone())
 }
 
+/// Whether an engine may schedule waiting requests in one prefill batch. Not yet timed, it may as
+/// well as not: holding a request for its prefix costs the wait for its first byte, prefilling
+/// the prefix again beside the first dispatch may cost its whole batch.
+fn may_batch(local: &LocalLoad) -> bool {
+    local.batching.batches() || !local.speed.timed()
+}
+
 /// The longest expected wait that counts as about as idle as the idlest engine's `least_ms`.
 fn about_as_idle(least_ms: f64) -> f64 {
     least_ms * WAIT_RATIO + WAIT_QUANTUM_MS
@@ -316,15 +323,18 @@ impl CacheAwarePolicy {
             return None;
         }
         let local = priced().unwrap_or_else(|| self.gate.inflight.local_load(&hit.engine));
-        // Not yet timed, an engine may batch as well as not: holding costs the wait for its first
-        // byte, prefilling the prefix again beside the first dispatch may cost its whole batch.
-        let may_batch = local.batching.batches() || !local.speed.timed();
-        if self.config.hold_for_prefix == HoldForPrefix::Auto && !may_batch {
+        if self.config.hold_for_prefix == HoldForPrefix::Auto && !may_batch(&local) {
             return None;
         }
         let oldest = local.unanswered?;
         let started_ms = self.gate.inflight.now_ms().saturating_sub(oldest.ms);
         (started_ms < hit.sent_ms).then_some(hit.sent_ms)
+    }
+
+    /// Whether a request that may wait no longer would be batched at `hit`'s engine with the
+    /// dispatch that sent the prefix there, and prefill it again: its match holds nothing for it.
+    fn prefilled_again(&self, hit: &PrefixHit) -> bool {
+        self.unstarted(hit, || None).is_some() && may_batch(&self.gate.inflight.local_load(&hit.engine))
     }
 
     /// Step 2's gates: whether `matched_tokens` of the `compared` ones make a hit.
@@ -467,6 +477,11 @@ impl CacheAwarePolicy {
         let snapshot = self.gate.load.snapshot();
         let prior = self.prior();
         let matches = match &lookup {
+            // Done waiting for its prefix, a request sent where that prefix has not started on a
+            // batching engine is scheduled beside it and prefills it again: no hit there.
+            CacheLookup::Matches(m) if request.prefix_wait_over => {
+                &Cow::Owned(m.iter().filter(|h| !self.prefilled_again(h)).cloned().collect())
+            }
             CacheLookup::Matches(m) => m,
             CacheLookup::Unavailable(_) => {
                 return self.load_fallback(
@@ -1181,6 +1196,46 @@ mod tests {
         let reported = policy(&s, Fixed::sent(&[("A", 900, 0)]), hold, AdmissionLimits::default());
         s.inflight.awaiting("A", Waiting { since_ms: 0, tokens: 500 });
         assert_eq!(unstarted(&reported), None, "what the engine says it holds");
+    }
+
+    #[test]
+    fn done_waiting_a_hit_is_none_where_a_batching_engine_has_not_started_on_its_prefix() {
+        let s = State::new();
+        s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
+        let p = policy(&s, Fixed::sent(&[("A", 900, 50)]), tuned(|_| {}), AdmissionLimits::default());
+        let done = |p: &CacheAwarePolicy| {
+            let request = PickRequest { prefix_wait_over: true, ..prompt(1000) };
+            let pick = p.pick(&workers(&["A", "B"]), &request).unwrap();
+            (pick.engine.id.clone(), pick.cached_tokens, pick.reason)
+        };
+        s.inflight.set_now(60);
+        s.inflight.awaiting("A", Waiting { since_ms: 40, tokens: 500 });
+        answered_in_batches(&s, "A");
+        assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().prefix_unstarted, Some(50), "it may still wait");
+        assert_eq!(done(&p), ("B".into(), 0, PickReason::CacheMiss), "at A it would prefill the prefix again");
+        // A serves first come first: its prefix is prefilled before the request, whenever it goes.
+        let always = policy(
+            &s,
+            Fixed::sent(&[("A", 900, 50)]),
+            tuned(|c| c.hold_for_prefix = HoldForPrefix::Always),
+            AdmissionLimits::default(),
+        );
+        let fcfs = State::new();
+        fcfs.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
+        let fcfs_policy = policy(
+            &fcfs,
+            Fixed::sent(&[("A", 900, 50)]),
+            tuned(|c| c.hold_for_prefix = HoldForPrefix::Always),
+            AdmissionLimits::default(),
+        );
+        fcfs.inflight.set_now(60);
+        fcfs.inflight.awaiting("A", Waiting { since_ms: 40, tokens: 500 });
+        learned(&fcfs, "A", 20.0, 1);
+        assert_eq!(done(&fcfs_policy).0, "A", "a timed engine not seen to batch keeps the hit");
+        assert_eq!(done(&always).0, "B", "held always, still prefilled again where A batches");
+        // Started on the prefix: a hit like any other.
+        s.inflight.answered("A", Waiting { since_ms: 40, tokens: 500 });
+        assert_eq!(done(&p), ("A".into(), 900, PickReason::CacheHit));
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub struct PickRequest<'a> {
     pub indexer: Option<&'a IndexerAnswer>,
     pub session_key: Option<&'a str>,
     pub routing_key: Option<&'a str>,
+    /// The request may no longer wait at the router for an engine to start on its prefix: a
+    /// prefix not started on an engine that may batch is prefilled again with it there.
+    pub prefix_wait_over: bool,
 }
 
 /// Why a policy chose its engine, for stats and tracing.

@@ -134,9 +134,6 @@ pub struct Ticket {
     pub rid: Option<RequestId>,
     /// The indexer's match call, when the request is to ask it.
     pub(crate) indexer_call: Option<IndexerCall>,
-    /// It may wait at the router for its engine to start on its prefix ([`Outcome::held`]): not
-    /// once it waited its longest, nor after waiting in the queue.
-    pub may_hold: bool,
 }
 
 impl Ticket {
@@ -171,8 +168,9 @@ pub struct Outcome {
     /// and be decided again (spec §9).
     pub refused: Option<Ticket>,
     /// The ticket back when the engine picked for its cached prefix has not started on the
-    /// dispatch that sent it there, and the request may wait for it ([`Ticket::may_hold`]): it
-    /// waits at the router and is decided again. `result` then only says so.
+    /// dispatch that sent it there, and the request may still wait for it (its
+    /// [`BucketRequest::prefix_wait_over`] unset): it waits at the router and is decided again.
+    /// `result` then only says so.
     pub held: Option<Ticket>,
 }
 
@@ -205,7 +203,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     // Sent now, it would be scheduled with the dispatch that brings its prefix, and prefill the
     // prefix again: it waits for the engine to start on that one. Nothing was counted yet.
     let (BucketPick::Plain(pick) | BucketPick::Pd { prefill: pick, .. }) = &selection.pick;
-    if ticket.may_hold && pick.prefix_unstarted.is_some() {
+    if !ticket.request.prefix_wait_over && pick.prefix_unstarted.is_some() {
         let error = RouteError::new(ErrorKind::AdmissionRejected, "waiting for its engine to start on its prefix");
         return Outcome { counters: Vec::new(), result: Err(error), refused: None, held: Some(ticket) };
     }
