@@ -334,7 +334,8 @@ impl CacheAwarePolicy {
     /// Whether a request that may wait no longer would be batched at `hit`'s engine with the
     /// dispatch that sent the prefix there, and prefill it again: its match holds nothing for it.
     fn prefilled_again(&self, hit: &PrefixHit) -> bool {
-        self.unstarted(hit, || None).is_some() && may_batch(&self.gate.inflight.local_load(&hit.engine))
+        let local = self.gate.inflight.local_load(&hit.engine);
+        may_batch(&local) && self.unstarted(hit, || Some(local)).is_some()
     }
 
     /// Step 2's gates: whether `matched_tokens` of the `compared` ones make a hit.
