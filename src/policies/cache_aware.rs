@@ -1199,38 +1199,37 @@ mod tests {
         assert_eq!(unstarted(&reported), None, "what the engine says it holds");
     }
 
-    #[test]
-    fn done_waiting_a_hit_is_none_where_a_batching_engine_has_not_started_on_its_prefix() {
+    /// Two idle engines; A was sent a prefix at 50 ms behind work sent at 40 ms, still unanswered
+    /// at 60 ms. A policy with `hold` for each.
+    fn prefix_unstarted_at_a(hold: HoldForPrefix) -> (State, CacheAwarePolicy) {
         let s = State::new();
         s.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
-        let p = policy(&s, Fixed::sent(&[("A", 900, 50)]), tuned(|_| {}), AdmissionLimits::default());
+        let p =
+            policy(&s, Fixed::sent(&[("A", 900, 50)]), tuned(|c| c.hold_for_prefix = hold), AdmissionLimits::default());
+        s.inflight.set_now(60);
+        s.inflight.awaiting("A", Waiting { since_ms: 40, tokens: 500 });
+        (s, p)
+    }
+
+    #[test]
+    fn done_waiting_a_hit_is_none_where_a_batching_engine_has_not_started_on_its_prefix() {
         let done = |p: &CacheAwarePolicy| {
             let request = PickRequest { prefix_wait_over: true, ..prompt(1000) };
             let pick = p.pick(&workers(&["A", "B"]), &request).unwrap();
             (pick.engine.id.clone(), pick.cached_tokens, pick.reason)
         };
-        s.inflight.set_now(60);
-        s.inflight.awaiting("A", Waiting { since_ms: 40, tokens: 500 });
+        let (s, p) = prefix_unstarted_at_a(HoldForPrefix::Auto);
         answered_in_batches(&s, "A");
         assert_eq!(pick(&p, &["A", "B"], 1000).unwrap().prefix_unstarted, Some(50), "it may still wait");
         assert_eq!(done(&p), ("B".into(), 0, PickReason::CacheMiss), "at A it would prefill the prefix again");
-        // A serves first come first: its prefix is prefilled before the request, whenever it goes.
         let always = policy(
             &s,
             Fixed::sent(&[("A", 900, 50)]),
             tuned(|c| c.hold_for_prefix = HoldForPrefix::Always),
             AdmissionLimits::default(),
         );
-        let fcfs = State::new();
-        fcfs.loads(&[("A", native_load(0, 0)), ("B", native_load(0, 0))]);
-        let fcfs_policy = policy(
-            &fcfs,
-            Fixed::sent(&[("A", 900, 50)]),
-            tuned(|c| c.hold_for_prefix = HoldForPrefix::Always),
-            AdmissionLimits::default(),
-        );
-        fcfs.inflight.set_now(60);
-        fcfs.inflight.awaiting("A", Waiting { since_ms: 40, tokens: 500 });
+        // A serves first come first: its prefix is prefilled before the request, whenever it goes.
+        let (fcfs, fcfs_policy) = prefix_unstarted_at_a(HoldForPrefix::Always);
         learned(&fcfs, "A", 20.0, 1);
         assert_eq!(done(&fcfs_policy).0, "A", "a timed engine not seen to batch keeps the hit");
         assert_eq!(done(&always).0, "B", "held always, still prefilled again where A batches");
