@@ -205,6 +205,16 @@ impl Bucket {
         in_range && self.max_context.is_none_or(|ctx| needed <= ctx)
     }
 
+    /// Every live engine of this bucket's groups, of every stage: the capacity a request that
+    /// fits it could use.
+    pub fn engines(&self, live: &LiveEngines, model: &str) -> Vec<Arc<Engine>> {
+        let groups: Vec<&EngineGroup> = match &self.groups {
+            BucketGroups::Plain(group) => vec![group],
+            BucketGroups::Pd { prefill, decode } => vec![prefill, decode],
+        };
+        groups.into_iter().flat_map(|g| g.candidates(live, model).iter().cloned().collect::<Vec<_>>()).collect()
+    }
+
     /// Picks every engine this bucket needs. A PD bucket picks prefill then decode; a decode
     /// failure discards the tentative prefill choice (nothing was dispatched).
     /// The engines to retry the upstream stage (plain or decode) on after `primary`.

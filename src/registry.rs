@@ -157,6 +157,49 @@ impl EngineRegistry {
     }
 }
 
+/// A set of engines by their place in the registry (id order), in a fixed 256 bits: a waiting
+/// request's record in shared data names the engines it could use in 32 bytes, whatever their
+/// number. Past 256 engines two share a bit, so a set may name more engines than it holds; what
+/// reads it treats them as held (a request then waits behind one it does not compete with, never
+/// the reverse).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct EngineSet([u64; 4]);
+
+impl EngineSet {
+    pub const SLOTS: usize = 256;
+
+    pub fn insert(&mut self, slot: usize) {
+        let s = slot % Self::SLOTS;
+        if let Some(word) = self.0.get_mut(s / 64) {
+            *word |= 1 << (s % 64);
+        }
+    }
+
+    pub fn contains(&self, slot: usize) -> bool {
+        let s = slot % Self::SLOTS;
+        self.0.get(s / 64).is_some_and(|w| w & (1 << (s % 64)) != 0)
+    }
+
+    pub fn union(&mut self, other: &EngineSet) {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            *a |= b;
+        }
+    }
+
+    pub fn intersects(&self, other: &EngineSet) -> bool {
+        self.0.iter().zip(other.0).any(|(a, b)| a & b != 0)
+    }
+
+    /// Whether every engine of this set is in `other`.
+    pub fn is_subset(&self, other: &EngineSet) -> bool {
+        self.0.iter().zip(other.0).all(|(a, b)| a & !b == 0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+}
+
 /// One request's view of the registry: the workers minus those health or the breaker took out.
 #[derive(Debug, Clone)]
 pub struct LiveEngines {
@@ -177,11 +220,41 @@ impl LiveEngines {
         Arc::ptr_eq(&self.workers, &other.workers) && Arc::ptr_eq(&self.unavailable, &other.unavailable)
     }
 
+    /// The registry places of `engines` (each found by id), as a set.
+    pub fn places<'a>(&self, engines: impl IntoIterator<Item = &'a Arc<Engine>>) -> EngineSet {
+        let mut set = EngineSet::default();
+        for engine in engines {
+            if let Ok(i) = self.workers.binary_search_by(|w| w.id.as_str().cmp(&engine.id)) {
+                set.insert(i);
+            }
+        }
+        set
+    }
+
+    /// This view without the engines whose places are in `reserved`: what a request may take
+    /// while requests ahead of it wait for those (spec §9). An empty set is this very view.
+    pub fn without(&self, reserved: &EngineSet) -> LiveEngines {
+        if reserved.is_empty() {
+            return self.clone();
+        }
+        let mut unavailable: HashSet<String> = (*self.unavailable).clone();
+        for (i, w) in self.workers.iter().enumerate() {
+            if reserved.contains(i) {
+                unavailable.insert(w.id.clone());
+            }
+        }
+        Self { workers: Arc::clone(&self.workers), unavailable: Arc::new(unavailable) }
+    }
+
+    /// Whether `engine` may take requests: not draining, and health or the breaker did not take
+    /// it out.
+    pub fn in_service(&self, engine: &Engine) -> bool {
+        !engine.draining && !self.unavailable.contains(&engine.id)
+    }
+
     /// Available workers of `model` serving `stage`, in id order; a draining worker is not one.
     pub fn serving<'a>(&'a self, model: &'a str, stage: Role) -> impl Iterator<Item = &'a Arc<Engine>> + 'a {
-        self.workers
-            .iter()
-            .filter(move |w| w.model == model && w.role == stage && !w.draining && !self.unavailable.contains(&w.id))
+        self.workers.iter().filter(move |w| w.model == model && w.role == stage && self.in_service(w))
     }
 }
 

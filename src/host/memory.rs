@@ -16,6 +16,8 @@ pub struct MemoryHost {
     queues: Mutex<HashMap<String, Vec<Vec<u8>>>>,
     now_ms: AtomicU64,
     rng: Mutex<Xoshiro256PlusPlus>,
+    /// Keys under this prefix refuse every cas write, as a key other VMs write without pause.
+    contended: Mutex<Option<String>>,
 }
 
 impl MemoryHost {
@@ -25,6 +27,14 @@ impl MemoryHost {
             queues: Mutex::new(HashMap::new()),
             now_ms: AtomicU64::new(1_000_000),
             rng: Mutex::new(Xoshiro256PlusPlus::seed_from_u64(seed)),
+            contended: Mutex::new(None),
+        }
+    }
+
+    /// From now on, cas writes of keys starting with `prefix` fail with a mismatch (`None`: none).
+    pub fn contend(&self, prefix: Option<&str>) {
+        if let Ok(mut c) = self.contended.lock() {
+            *c = prefix.map(str::to_string);
         }
     }
 
@@ -59,6 +69,10 @@ impl Host for MemoryHost {
     }
 
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        let contended = self.contended.lock().map_err(|_| poisoned())?;
+        if cas.is_some_and(|c| c != 0) && contended.as_deref().is_some_and(|p| key.starts_with(p)) {
+            return Err(HostError::CasMismatch);
+        }
         let mut data = self.data.lock().map_err(|_| poisoned())?;
         match data.get_mut(key) {
             Some(existing) => {
