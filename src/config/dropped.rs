@@ -16,6 +16,11 @@ const DROPPED_KEYS: &[(&str, &str)] = &[
     ("stable_pair", "stable prefill/decode pairing was removed; both engines come from one bucket"),
     ("affinity_mode", "only strict admitted-binding reuse remains; the soft mode was removed"),
     ("prefix_cache_min_share", "the prefix-share filter was removed; it is not the cache_aware minimum hit"),
+    (
+        "priority_header",
+        "a client's own priority is not trusted: name classes under `queue.classes` and choose one with \
+         `queue.class_header`, set at a trusted hop",
+    ),
 ];
 
 pub(super) fn find_dropped_options(value: &Value) -> Vec<ConfigError> {

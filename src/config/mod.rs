@@ -148,16 +148,35 @@ mod tests {
         v["queue"] = json!({"max_requests": 8});
         let c = from_value(v.clone()).unwrap();
         let q = c.queue_for("m").unwrap();
-        assert_eq!((q.max_requests, q.max_wait_ms, q.priority_header.as_str()), (8, 5000, "x-sgl-priority"));
+        assert_eq!((q.max_requests, q.max_wait_ms, q.class_header.as_str()), (8, 5000, "x-sgl-class"));
+        assert_eq!((q.class(Some("unknown")), q.max_per_tenant), (("standard", QueueClass::default()), 64));
         v["models"]["m"]["queue"] = json!({"max_wait_ms": 100, "tenant_header": "x-team"});
         let c = from_value(v.clone()).unwrap();
         let q = c.queue_for("m").unwrap();
         assert_eq!((q.max_requests, q.max_wait_ms, q.tenant_header.as_str()), (256, 100, "x-team"));
         v["queue"] = json!({"max_requests": 0});
         has_error(v.clone(), "queue.max_requests", "between 1 and 4096");
-        v["models"]["m"]["queue"] = json!({"max_wait_ms": 600_001, "priority_header": "X-Bad"});
+        v["models"]["m"]["queue"] = json!({"max_wait_ms": 600_001, "class_header": "X-Bad"});
         has_error(v.clone(), "models.m.queue.max_wait_ms", "between 1 and 600000");
-        has_error(v.clone(), "models.m.queue.priority_header", "lowercase");
+        has_error(v.clone(), "models.m.queue.class_header", "lowercase");
+        v["models"]["m"]["queue"] = json!({"priority_header": "x-sgl-priority"});
+        has_error(v.clone(), "models.m.queue.priority_header", "queue.classes");
+        v["models"]["m"]["queue"] = json!({"default_class": "gold", "max_per_tenant": 0,
+            "classes": {"interactive": {"priority": 101, "max_wait_ms": 0}, "Batch.x": {}}});
+        has_error(v.clone(), "models.m.queue.default_class", "not one of the classes (Batch.x, interactive)");
+        has_error(v.clone(), "models.m.queue.max_per_tenant", "between 1 and 4096");
+        has_error(v.clone(), "models.m.queue.classes.interactive.priority", "between -100 and 100");
+        has_error(v.clone(), "models.m.queue.classes.interactive.max_wait_ms", "between 1 and 600000");
+        has_error(v.clone(), "models.m.queue.classes.Batch.x", "a class name");
+        v["queue"] = json!({});
+        v["models"]["m"]["queue"] = json!({"default_class": "batch",
+            "classes": {"interactive": {"priority": 10, "max_wait_ms": 1000}, "batch": {"priority": -10}}});
+        let c = from_value(v.clone()).unwrap();
+        let q = c.queue_for("m").unwrap();
+        let interactive = QueueClass { priority: 10, max_wait_ms: Some(1000) };
+        assert_eq!(q.class(Some("interactive")), ("interactive", interactive));
+        assert_eq!(q.class(None), ("batch", QueueClass { priority: -10, max_wait_ms: None }));
+        assert_eq!((q.max_wait_ms(&interactive), q.max_wait_ms(&q.class(None).1)), (1000, 5000));
         v["models"]["m"]["queue"] = json!({"max_wait_ms": 60_000});
         v["timeouts"] = json!({"stream_idle_ms": 60_000});
         has_error(v.clone(), "models.m.queue.max_wait_ms", "stream_idle_ms");

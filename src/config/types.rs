@@ -54,15 +54,56 @@ pub struct QueueConfig {
     /// Waiting requests per model, across every worker thread; beyond: 429 `queue_full`.
     #[serde(default = "defaults::queue_max_requests")]
     pub max_requests: u32,
-    /// Beyond: 429 `queue_timeout`.
+    /// The wait of a class that names none; beyond: 429 `queue_timeout`.
     #[serde(default = "defaults::queue_max_wait_ms")]
     pub max_wait_ms: u64,
-    /// An integer; higher goes first; absent or unreadable = 0.
-    #[serde(default = "defaults::priority_header")]
-    pub priority_header: String,
-    /// Requests of one priority take turns between this header's values.
+    /// Names the request's class; absent or unknown: `default_class`. Set it at a trusted hop.
+    #[serde(default = "defaults::class_header")]
+    pub class_header: String,
+    #[serde(default = "defaults::default_class")]
+    pub default_class: String,
+    /// The operator's classes; absent: one, `standard`, at priority 0.
+    #[serde(default = "defaults::classes")]
+    pub classes: BTreeMap<String, QueueClass>,
+    /// Fair share by work between this header's values, within a class. Set it at a trusted hop.
     #[serde(default = "defaults::tenant_header")]
     pub tenant_header: String,
+    /// Waiting requests per tenant value; beyond: 429 `queue_full`.
+    #[serde(default = "defaults::queue_max_per_tenant")]
+    pub max_per_tenant: u32,
+}
+
+/// The most classes one queue may name: each is a stats label and a clock in the shared queue.
+pub const MAX_QUEUE_CLASSES: usize = 16;
+/// Class priorities lie within ±this.
+pub const MAX_CLASS_PRIORITY: i32 = 100;
+
+/// One class of requests (spec §9): higher priority goes first; its own longest wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct QueueClass {
+    #[serde(default)]
+    pub priority: i32,
+    /// Default: the queue's `max_wait_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_ms: Option<u64>,
+}
+
+impl QueueConfig {
+    /// The class named `name` (a header's value), else the default class: its name and settings.
+    pub fn class(&self, name: Option<&str>) -> (&str, QueueClass) {
+        let named = name.and_then(|n| self.classes.get_key_value(n));
+        let (name, class) = named
+            .or_else(|| self.classes.get_key_value(self.default_class.as_str()))
+            .map(|(k, c)| (k.as_str(), *c))
+            .unwrap_or((self.default_class.as_str(), QueueClass::default()));
+        (name, class)
+    }
+
+    /// How long a request of `class` may wait.
+    pub fn max_wait_ms(&self, class: &QueueClass) -> u64 {
+        class.max_wait_ms.unwrap_or(self.max_wait_ms)
+    }
 }
 
 /// The most retries a request may get: each is one more engine the pick names in advance.
@@ -701,8 +742,20 @@ pub(crate) mod defaults {
         5_000
     }
 
-    pub fn priority_header() -> String {
-        "x-sgl-priority".to_string()
+    pub fn class_header() -> String {
+        "x-sgl-class".to_string()
+    }
+
+    pub fn default_class() -> String {
+        "standard".to_string()
+    }
+
+    pub fn classes() -> std::collections::BTreeMap<String, super::QueueClass> {
+        [(default_class(), super::QueueClass::default())].into_iter().collect()
+    }
+
+    pub fn queue_max_per_tenant() -> u32 {
+        64
     }
 
     pub fn tenant_header() -> String {

@@ -5,7 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::{
     AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, HoldForPrefix, LoadSource, PolicyConfig,
-    QueueConfig, RouterConfig, UpstreamMode, MAX_QUEUE_REQUESTS, MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
+    QueueConfig, RouterConfig, UpstreamMode, MAX_CLASS_PRIORITY, MAX_QUEUE_CLASSES, MAX_QUEUE_REQUESTS,
+    MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
 };
 use crate::registry::EngineAddress;
 use crate::registry::Role;
@@ -446,7 +447,56 @@ fn validate_queue(path: &str, queue: &QueueConfig, config: &RouterConfig, errors
             format!("must be below timeouts.stream_idle_ms ({idle}), which would end a waiting request first"),
         ));
     }
-    for (field, value) in [("priority_header", &queue.priority_header), ("tenant_header", &queue.tenant_header)] {
+    if queue.classes.is_empty() || queue.classes.len() > MAX_QUEUE_CLASSES {
+        errors.push(ConfigError::new(
+            format!("{path}.classes"),
+            format!("between 1 and {MAX_QUEUE_CLASSES} classes, got {}", queue.classes.len()),
+        ));
+    }
+    for (name, class) in &queue.classes {
+        let at = format!("{path}.classes.{name}");
+        // A class name is a stats label inside a dotted metric name.
+        if name.is_empty()
+            || name.len() > 32
+            || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+        {
+            errors.push(ConfigError::new(&at, "a class name is 1 to 32 of a-z, 0-9, `_` and `-`"));
+        }
+        if class.priority.abs() > MAX_CLASS_PRIORITY {
+            errors.push(ConfigError::new(
+                format!("{at}.priority"),
+                format!("between -{MAX_CLASS_PRIORITY} and {MAX_CLASS_PRIORITY}, got {}", class.priority),
+            ));
+        }
+        if let Some(wait) = class.max_wait_ms {
+            if !(1..=MAX_QUEUE_WAIT_MS).contains(&wait) {
+                errors.push(ConfigError::new(
+                    format!("{at}.max_wait_ms"),
+                    format!("between 1 and {MAX_QUEUE_WAIT_MS}, got {wait}"),
+                ));
+            } else if idle > 0 && wait >= idle {
+                errors.push(ConfigError::new(
+                    format!("{at}.max_wait_ms"),
+                    format!("must be below timeouts.stream_idle_ms ({idle}), which would end a waiting request first"),
+                ));
+            }
+        }
+    }
+    if !queue.classes.contains_key(&queue.default_class) {
+        let names: Vec<&str> = queue.classes.keys().map(String::as_str).collect();
+        errors.push(ConfigError::new(
+            format!("{path}.default_class"),
+            format!("`{}` is not one of the classes ({})", queue.default_class, names.join(", ")),
+        ));
+    }
+    // Above max_requests it adds no limit.
+    if !(1..=MAX_QUEUE_REQUESTS).contains(&queue.max_per_tenant) {
+        errors.push(ConfigError::new(
+            format!("{path}.max_per_tenant"),
+            format!("between 1 and {MAX_QUEUE_REQUESTS}, got {}", queue.max_per_tenant),
+        ));
+    }
+    for (field, value) in [("class_header", &queue.class_header), ("tenant_header", &queue.tenant_header)] {
         if !is_header_name(value) {
             errors.push(ConfigError::new(
                 format!("{path}.{field}"),

@@ -11,12 +11,12 @@ use super::generation::request_id::{request_id, REQUEST_ID_HEADER};
 use super::generation::{self, Effects, Endpoint, Outcome, Prepared, Ticket, Wiring};
 use super::headers::ProtectedHeaders;
 use super::indexer::IndexerClient;
-use super::queue::WaitingRoom;
+use super::queue::{Capacity, EngineRoom, WaitingRoom};
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
 use crate::config::{GroupsConfig, RouterConfig};
 use crate::policies::pressure::{pending_prefill, prefill_rate, slot_wait_ms};
-use crate::registry::{Availability, EngineRegistry};
+use crate::registry::{Availability, EngineRegistry, EngineSet};
 use crate::state::availability::SharedAvailability;
 use crate::state::breaker::CircuitBreakers;
 use crate::state::health;
@@ -168,6 +168,14 @@ impl AppContext {
         InflightGuard::acquire(Arc::clone(&self.handles.inflight), worker, work, prior, timed)
     }
 
+    /// Whether `engine` started on the dispatch that sent it a prefix at `sent_ms`: no work sent
+    /// to it before then is still unanswered (the rule `cache_aware` holds a request by).
+    pub fn prefix_started(&self, engine: &str, sent_ms: u64) -> bool {
+        let inflight = &self.handles.inflight;
+        let local = inflight.local_load(engine);
+        local.unanswered.is_none_or(|oldest| inflight.now_ms().saturating_sub(oldest.ms) >= sent_ms)
+    }
+
     /// Carries out what an exchange event asked for that shared state must hear: dispatch results
     /// and abandoned probes to the breaker, the prefix event to the outbox, the counters to be held.
     pub fn carry_out(&self, effects: Effects) {
@@ -242,13 +250,15 @@ impl AppContext {
     }
 
     /// Prepares a buffered body of a generation endpoint for selection. `header` reads a request
-    /// header. The ticket names the indexer's match call when the request is to ask it first, and
-    /// keeps the body for its rewrites.
+    /// header. The ticket names the indexer's match call when the request is to ask it first
+    /// (`ask` — a request prepared again after a wait asked already), and keeps the body for its
+    /// rewrites.
     pub fn prepare(
         &self,
         endpoint: Endpoint,
         body: Vec<u8>,
         header: &dyn Fn(&str) -> Option<String>,
+        ask: bool,
     ) -> Result<Ticket, RouteError> {
         let bytes_per_token = self.config.tokens.bytes_per_token;
         // The model is known only once the body is read: the text is built when any model records
@@ -272,13 +282,14 @@ impl AppContext {
             prompt_text.filter(|_| self.prefix_models.contains(&facts.model)).map(Arc::from);
         // One callout: a request's own token ids go to `/query` (ours or Dynamo's); a chat body to
         // ours, which tokenizes it with the model's template. Other prompts use the estimate.
-        let call = self.indexer.as_ref().and_then(|client| match (endpoint, prompts.single_token_ids()) {
-            (_, Some(ids)) => Some(client.match_tokens(&facts.model, ids)),
-            (Endpoint::Chat, None) if client.tokenizes_chat() && model.tokenizer.is_some() => {
-                Some(client.match_chat(&body))
-            }
-            _ => None,
-        });
+        let call =
+            self.indexer.as_ref().filter(|_| ask).and_then(|client| match (endpoint, prompts.single_token_ids()) {
+                (_, Some(ids)) => Some(client.match_tokens(&facts.model, ids)),
+                (Endpoint::Chat, None) if client.tokenizes_chat() && model.tokenizer.is_some() => {
+                    Some(client.match_chat(&body))
+                }
+                _ => None,
+            });
         // A call that could not be made is an answer already: unavailable.
         let (indexer_call, indexer) = match call {
             Some(Ok(call)) => (Some(call), None),
@@ -303,10 +314,13 @@ impl AppContext {
         Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call })
     }
 
-    /// Selects engines for a prepared request and makes its decision.
-    pub fn decide(&self, ticket: Ticket) -> Outcome {
-        let live = self.registry.live();
+    /// Selects engines for a prepared request and makes its decision, leaving the `reserved`
+    /// engines to the requests waiting ahead of it (spec §9). A request that `waits` already is
+    /// refused, to wait on, when no engine had room, whatever the reason (health may come back).
+    pub fn decide(&self, ticket: Ticket, reserved: &EngineSet, waits: bool) -> Outcome {
+        let live = self.registry.live().without(reserved);
         let wiring = Wiring {
+            exhausted_waits: waits || !reserved.is_empty(),
             live: &live,
             upstream: &self.upstream,
             random: self.handles.random.as_ref(),
@@ -316,6 +330,31 @@ impl AppContext {
             now_ms: self.now_ms(),
         };
         generation::decide(ticket, &wiring)
+    }
+
+    /// The engines a prepared request could use: every live engine of its compatible buckets'
+    /// groups, what it competes for when it waits.
+    pub fn engines_of(&self, ticket: &Ticket) -> EngineSet {
+        let live = self.registry.live();
+        let request = &ticket.request;
+        let buckets = ticket.resolver.resolve(request.input_tokens, request.expected_peak_tokens).unwrap_or_default();
+        let engines: Vec<_> = buckets.iter().flat_map(|b| b.engines(&live, &request.model)).collect();
+        live.places(&engines)
+    }
+
+    /// What the `engines` of a waiting request not `reserved` for those ahead of it look like now
+    /// ([`Capacity`]): what tells it whether to try again.
+    pub fn capacity(&self, engines: &EngineSet, reserved: &EngineSet) -> Capacity {
+        let live = self.registry.live();
+        let engines = (self.registry.all().iter().enumerate())
+            .filter(|(i, _)| engines.contains(*i) && !reserved.contains(*i))
+            .map(|(place, e)| EngineRoom {
+                place,
+                inflight: self.handles.inflight.inflight(&e.id),
+                in_service: live.in_service(e),
+            })
+            .collect();
+        Capacity { engines, load: self.handles.load.snapshot(), reserved: *reserved }
     }
 
     /// The indexer replica whose cluster is `cluster`, for its counters.

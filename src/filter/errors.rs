@@ -19,6 +19,8 @@ pub enum ErrorKind {
     /// Flow control (spec §9): the model's queue is full, or the request waited its longest.
     QueueFull,
     QueueTimeout,
+    /// The model's shared queue could not be written: the request is not sent past it.
+    QueueUnavailable,
 }
 
 impl ErrorKind {
@@ -38,6 +40,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::QueueTimeout => "queue_timeout",
+            ErrorKind::QueueUnavailable => "queue_unavailable",
         }
     }
 
@@ -48,7 +51,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::QueueFull | ErrorKind::QueueTimeout => 429,
-            ErrorKind::AdmissionRejected | ErrorKind::NoCandidates => 503,
+            ErrorKind::AdmissionRejected | ErrorKind::NoCandidates | ErrorKind::QueueUnavailable => 503,
             ErrorKind::InvalidSignal | ErrorKind::InvalidConfiguration | ErrorKind::OutsideCandidates => 500,
             ErrorKind::PrefillFailed => 502,
         }

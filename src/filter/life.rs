@@ -35,11 +35,11 @@ use std::sync::Arc;
 
 use super::generation::abort::abort_request;
 use super::generation::pd::{forwarded_headers, Flow, PrefillDone};
-use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, Target, Ticket};
+use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, PrefixWait, Target, Ticket};
 use super::indexer::IndexerCall;
 use super::metrics::error_outcome;
 use super::models::{list_models, retrieve_model};
-use super::queue::{timed_out, QueueExit, RETRY_AFTER_S};
+use super::queue::{timed_out, Capacity, QueueExit, Seat, RETRY_AFTER_S, UNKNOWN_BUDGET_TOKENS};
 use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
 use crate::config::QueueConfig;
@@ -90,8 +90,9 @@ pub enum Action {
     /// The request waits in the queue: the glue wakes it with [`RequestLife::on_turn`] when the
     /// VM's waiting room names it.
     Wait,
-    /// The request waits at the router for its prefix: the glue wakes it with
-    /// [`RequestLife::on_turn`] every tick while [`RequestLife::holding`].
+    /// The request waits at the router for its prefix: the glue offers it
+    /// [`RequestLife::on_turn`] every tick while [`RequestLife::holding`]; it is selected again
+    /// only once its engine started on the prefix, or its wait is over.
     Hold,
 }
 
@@ -128,23 +129,27 @@ struct Awaiting {
     started_us: u64,
 }
 
-/// A request waiting for an engine with room (spec §9).
+/// A request waiting for an engine with room (spec §9). Its ticket is parked: Envoy holds the
+/// body, and the request is prepared again from it when it is tried.
 #[derive(Debug)]
 struct Queued {
     held: Held,
     ticket: Ticket,
-    model: Arc<str>,
-    priority: i32,
+    seat: Seat,
     deadline_ms: u64,
-    max_wait_ms: u64,
     since_ms: u64,
+    /// Its engines as its last selection found them: it is selected again only when room may
+    /// have freed since.
+    seen: Capacity,
 }
 
-/// A request waiting for its engine to start on the dispatch that sent it its prefix.
+/// A request waiting for its engine to start on the dispatch that sent it its prefix; its ticket
+/// parked like a queued one's.
 #[derive(Debug)]
 struct Holding {
     held: Held,
     ticket: Ticket,
+    wait: PrefixWait,
 }
 
 /// The longest a request waits for its prefix's first dispatch before it goes regardless (an
@@ -317,7 +322,7 @@ impl RequestLife {
         Self::sync(app, out);
         let body = read(size);
         let started_us = app.monotonic_us();
-        let mut ticket = match app.prepare(held.endpoint, body, &|name| held.header(name)) {
+        let mut ticket = match app.prepare(held.endpoint, body, &|name| held.header(name), true) {
             Ok(ticket) => ticket,
             Err(error) => return self.fail(app, &error, out),
         };
@@ -457,36 +462,55 @@ impl RequestLife {
     }
 
     /// Selects, and carries out the decision or answers the error. With a queue, a request waits
-    /// when every engine refused it, and an arrival waits behind requests already waiting.
+    /// when every engine it may take refused it; it may not take the engines the requests waiting
+    /// ahead of it could use (spec §9), and takes any other at once.
     fn decide(&mut self, app: &AppContext, held: Held, ticket: Ticket, started_us: u64, out: &mut Actions) {
         let queue = app.config().queue_for(&ticket.facts.model);
+        let mut seated = None;
         if let Some(config) = queue {
-            if app.waiting().occupied(&ticket.facts.model) {
-                return self.wait(app, config, held, ticket, None, out);
-            }
+            let seat = Self::seat(app, config, &held, &ticket);
+            let reserved = match app.waiting().reserved_ahead(&seat) {
+                Ok(reserved) => reserved,
+                Err(e) => {
+                    app.count([Counter::QueueRejection(QueueExit::Unavailable, Arc::clone(&seat.class))]);
+                    let message = format!("the queue of model `{}` could not be read: {e}", seat.model);
+                    return self.fail(app, &RouteError::new(ErrorKind::QueueUnavailable, message), out);
+                }
+            };
+            seated = Some((config, seat, reserved));
             // A model with a queue relies on its caps: its arrivals decide on fresh counts and
             // tell theirs at once, so two VMs seldom fill one free slot twice in a burst.
             app.exchange_counts_now();
         }
-        let mut outcome = app.decide(ticket);
-        if let Some(ticket) = outcome.held.take() {
-            return self.hold(app, held, ticket, started_us, out);
+        let reserved = seated.as_ref().map(|(_, _, r)| *r).unwrap_or_default();
+        let mut outcome = app.decide(ticket, &reserved, false);
+        if let Some((ticket, wait)) = outcome.held.take() {
+            return self.hold(app, held, ticket, wait, started_us, out);
         }
         out.push(Action::Observe(Cow::Borrowed(SELECTION_US), app.monotonic_us().saturating_sub(started_us)));
-        match (outcome.result, outcome.refused, queue) {
-            (Err(error), Some(ticket), Some(config)) => {
+        match (outcome.result, outcome.refused, seated) {
+            (Err(_), Some(ticket), Some((config, seat, _))) => {
                 // The refusals are counted; the outcome is the wait's.
                 app.count(outcome.counters.into_iter().filter(|c| !matches!(c, Counter::Outcome(_))));
-                self.wait(app, config, held, ticket, Some(error), out)
+                self.wait(app, config, held, ticket, seat, out)
             }
-            (result, _, _) => {
+            (result, _, seated) => {
                 let dispatched = result.is_ok();
                 self.conclude(app, held, outcome.counters, result, out);
-                if dispatched && queue.is_some() {
+                if dispatched && seated.is_some() {
                     app.publish_counts_now();
                 }
             }
         }
+    }
+
+    /// What a request of a model with a queue waits as: its class, tenant, work and engines.
+    fn seat(app: &AppContext, config: &QueueConfig, held: &Held, ticket: &Ticket) -> Seat {
+        let facts = &ticket.facts;
+        let budget = facts.output_budget.unwrap_or(UNKNOWN_BUDGET_TOKENS);
+        let cost = ticket.request.input_tokens.saturating_add(budget);
+        let bytes = held.body_size as u64;
+        Seat::new(config, &facts.model, &|name| held.header(name), (cost, bytes), app.engines_of(ticket))
     }
 
     /// A selection's counters go; its decision is carried out, or its error answered.
@@ -508,59 +532,47 @@ impl RequestLife {
         }
     }
 
-    /// Joins the model's queue; `refusal` is the error a refused request answers with should the
-    /// queue be out of reach. A request that joined behind others is tried at once when it is among
-    /// the first.
+    /// Joins the model's queue as `seat`, or is answered at once: the queue is full (for it or
+    /// its tenant), its expected wait is past its class's, or the queue cannot be written (a 503:
+    /// nobody skips the queue).
     fn wait(
         &mut self,
         app: &AppContext,
         config: &QueueConfig,
         held: Held,
-        ticket: Ticket,
-        refusal: Option<RouteError>,
+        mut ticket: Ticket,
+        seat: Seat,
         out: &mut Actions,
     ) {
         // Selected again on its turn: it has waited enough.
-        let mut ticket = ticket;
         ticket.request.prefix_wait_over = true;
-        let model = ticket.facts.model.clone();
-        let (max_wait_ms, header) = (config.max_wait_ms, |name: &str| held.header(name));
-        let priority = super::queue::priority(config, &header);
-        match app.waiting().join(self.id, &model, config, priority, &header) {
-            Some(Ok(place)) => {
-                let queued = Queued {
-                    held,
-                    ticket,
-                    model: place.model,
-                    priority,
-                    deadline_ms: place.deadline_ms,
-                    max_wait_ms,
-                    since_ms: app.now_ms(),
-                };
-                self.state = State::Queued(Box::new(queued));
+        let deadline_ms = app.now_ms().saturating_add(seat.max_wait_ms);
+        match app.waiting().join(self.id, &seat, config, deadline_ms) {
+            Ok(_) => {
+                ticket.park();
+                let since_ms = app.now_ms();
+                let seen = app.capacity(&seat.engines, &app.waiting().reserved(self.id));
+                self.state = State::Queued(Box::new(Queued { held, ticket, seat, deadline_ms, since_ms, seen }));
                 out.push(Action::Wait);
-                if place.turn && refusal.is_none() {
-                    self.on_turn(app, out);
-                }
             }
-            Some(Err(full)) => {
-                app.count([Counter::QueueRejection(QueueExit::Full, priority)]);
-                self.fail(app, &full, out);
+            Err(refusal) => {
+                app.count([Counter::QueueRejection(refusal.exit, Arc::clone(&seat.class))]);
+                self.fail(app, &refusal.error, out);
             }
-            // The queue is out of reach: answered as without one.
-            None => match refusal {
-                Some(error) => self.fail(app, &error, out),
-                None => {
-                    let outcome = app.decide(ticket);
-                    self.conclude(app, held, outcome.counters, outcome.result, out)
-                }
-            },
         }
     }
 
     /// Waits at the router for the engine to start on its prefix's first dispatch, for at most
     /// [`MAX_HOLD_MS`] in all, while the VM holds fewer than [`MAX_HELD`].
-    fn hold(&mut self, app: &AppContext, held: Held, mut ticket: Ticket, started_us: u64, out: &mut Actions) {
+    fn hold(
+        &mut self,
+        app: &AppContext,
+        held: Held,
+        mut ticket: Ticket,
+        wait: PrefixWait,
+        started_us: u64,
+        out: &mut Actions,
+    ) {
         let now_ms = app.now_ms();
         let first = self.hold_until_ms.is_none();
         let until_ms = *self.hold_until_ms.get_or_insert(now_ms.saturating_add(MAX_HOLD_MS));
@@ -572,25 +584,51 @@ impl RequestLife {
             app.held().set(app.held().get() + 1);
             out.push(Action::Hold);
         }
-        self.state = State::Holding(Box::new(Holding { held, ticket }));
+        ticket.park();
+        self.state = State::Holding(Box::new(Holding { held, ticket, wait }));
     }
 
-    /// Whether the request waits for its prefix: the glue wakes it every tick until it does not.
+    /// Whether the request waits for its prefix: the glue offers it a turn every tick until it
+    /// does not.
     pub fn holding(&self) -> bool {
         matches!(self.state, State::Holding(_))
     }
 
-    /// A waiting request's turn, or its wait is over: it is selected again, bucket-first; it goes
-    /// to its engines, waits on when every engine is still full, or is answered. A request held
-    /// for its prefix is decided again: it goes once the engine started on the prefix.
-    pub fn on_turn(&mut self, app: &AppContext, out: &mut Actions) {
+    /// A parked ticket prepared again from the body Envoy holds (`read` reads it).
+    fn resume(
+        app: &AppContext,
+        held: &Held,
+        parked: Ticket,
+        read: &mut dyn FnMut(usize) -> Vec<u8>,
+    ) -> Result<Ticket, RouteError> {
+        let fresh = app.prepare(held.endpoint, read(held.body_size), &|name| held.header(name), false)?;
+        Ok(parked.resumed(fresh))
+    }
+
+    /// A waiting request's turn, or its wait is over: it is prepared again from the body Envoy
+    /// holds (`read` reads it) and selected again, bucket-first, leaving the engines of the
+    /// requests ahead of it; it goes to its engines, waits on when every engine it may take is
+    /// still full, or is answered. A request held for its prefix is selected again once its engine
+    /// started on the prefix, or its hold is over; until then a turn costs it a lookup, no more.
+    pub fn on_turn(&mut self, app: &AppContext, read: &mut dyn FnMut(usize) -> Vec<u8>, out: &mut Actions) {
         let queued = match mem::take(&mut self.state) {
             State::Queued(queued) => queued,
             State::Holding(holding) => {
-                let Holding { held, ticket } = *holding;
+                let over = self.hold_until_ms.is_some_and(|until| app.now_ms() >= until);
+                if !over && !app.prefix_started(&holding.wait.engine, holding.wait.sent_ms) {
+                    self.state = State::Holding(holding);
+                    return;
+                }
+                let Holding { held, ticket, .. } = *holding;
+                app.held().set(app.held().get().saturating_sub(1));
+                let ticket = match Self::resume(app, &held, ticket, read) {
+                    Ok(ticket) => ticket,
+                    Err(error) => return self.fail(app, &error, out),
+                };
                 self.decide(app, held, ticket, app.monotonic_us(), out);
-                if !self.holding() {
-                    app.held().set(app.held().get().saturating_sub(1));
+                if self.holding() {
+                    app.held().set(app.held().get() + 1);
+                } else {
                     let since_ms = self.hold_until_ms.unwrap_or_default().saturating_sub(MAX_HOLD_MS);
                     out.push(Action::Observe(Cow::Borrowed(PREFIX_HOLD_MS), app.now_ms().saturating_sub(since_ms)));
                 }
@@ -601,21 +639,37 @@ impl RequestLife {
                 return;
             }
         };
-        let Queued { held, ticket, model, priority, deadline_ms, max_wait_ms, since_ms } = *queued;
-        if app.now_ms() >= deadline_ms {
+        let class = Arc::clone(&queued.seat.class);
+        if app.now_ms() >= queued.deadline_ms {
             app.waiting().leave(self.id, false);
-            app.count([Counter::QueueRejection(QueueExit::Timeout, priority)]);
-            return self.fail(app, &timed_out(&model, max_wait_ms), out);
+            app.count([Counter::QueueRejection(QueueExit::Timeout, class)]);
+            return self.fail(app, &timed_out(&queued.seat.model, queued.seat.max_wait_ms), out);
         }
+        // The other VMs' counts as of at most one sync period ago.
+        Self::sync(app, out);
+        let reserved = app.waiting().reserved(self.id);
+        if !app.capacity(&queued.seat.engines, &reserved).freed_since(&queued.seen) {
+            self.state = State::Queued(queued);
+            return;
+        }
+        let Queued { held, ticket, seat, deadline_ms, since_ms, .. } = *queued;
+        let ticket = match Self::resume(app, &held, ticket, read) {
+            Ok(ticket) => ticket,
+            Err(error) => {
+                app.waiting().leave(self.id, false);
+                return self.fail(app, &error, out);
+            }
+        };
         // Room freed on another VM shows in its counts.
         app.exchange_counts_now();
         let started_us = app.monotonic_us();
-        let outcome = app.decide(ticket);
+        let outcome = app.decide(ticket, &reserved, true);
         match (outcome.result, outcome.refused) {
-            (Err(_), Some(ticket)) => {
+            (Err(_), Some(mut ticket)) => {
                 // Still full: it keeps its place, and its refusals are not counted again.
-                let queued = Queued { held, ticket, model, priority, deadline_ms, max_wait_ms, since_ms };
-                self.state = State::Queued(Box::new(queued));
+                ticket.park();
+                let seen = app.capacity(&seat.engines, &reserved);
+                self.state = State::Queued(Box::new(Queued { held, ticket, seat, deadline_ms, since_ms, seen }));
             }
             (result, _) => {
                 app.waiting().leave(self.id, result.is_ok());
@@ -624,7 +678,7 @@ impl RequestLife {
                 let dispatched = result.is_ok();
                 if dispatched {
                     let waited = app.now_ms().saturating_sub(since_ms);
-                    out.push(Action::Observe(Cow::Owned(queue_wait_ms(priority)), waited));
+                    out.push(Action::Observe(Cow::Owned(queue_wait_ms(&class)), waited));
                 }
                 self.conclude(app, held, outcome.counters, result, out);
                 if dispatched {
@@ -776,7 +830,7 @@ impl RequestLife {
             // The client went away while waiting: its place goes at once.
             State::Queued(queued) => {
                 app.waiting().leave(self.id, false);
-                app.count([Counter::QueueRejection(QueueExit::ClientGone, queued.priority)]);
+                app.count([Counter::QueueRejection(QueueExit::ClientGone, queued.seat.class)]);
             }
             State::Holding(_) => app.held().set(app.held().get().saturating_sub(1)),
             _ => {}
@@ -1498,7 +1552,7 @@ mod tests {
         let (ahead, actions) = send_body(&app, 1, &streamed("an earlier conversation"));
         let cluster = upstream(&actions).unwrap().to_string();
         let sibling = streamed(&"a long shared system prompt ".repeat(220));
-        let text = app.prepare(Endpoint::Chat, sibling.clone(), &|_| None).unwrap().request.prompt_text;
+        let text = app.prepare(Endpoint::Chat, sibling.clone(), &|_| None, true).unwrap().request.prompt_text;
         let event = PrefixEvent::Stored {
             model: "m".into(),
             worker: cluster.trim_start_matches("sgl_").into(),
@@ -1523,17 +1577,53 @@ mod tests {
         assert_eq!(actions, [Action::Hold], "held, not sent");
         assert!(life.holding());
         let mut out = Vec::new();
-        life.on_turn(&app, &mut out);
+        life.on_turn(&app, &mut |_| sibling.clone(), &mut out);
         assert!(visible(&mut out).is_empty() && life.holding(), "A has not started on it yet");
 
         ahead.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         ahead.on_response_body(false, &mut out);
         out.clear();
-        life.on_turn(&app, &mut out);
+        life.on_turn(&app, &mut |_| sibling.clone(), &mut out);
         let actions = visible(&mut out);
         assert_eq!((upstream(&actions), actions.last()), (Some(cluster.as_str()), Some(&Action::Proceed)));
         assert!(!life.holding());
         assert_eq!(app.held().get(), 0);
+    }
+
+    /// A thousand requests held for one prefix cost a lookup each while its engine has not started
+    /// on it: no body is read and nothing is selected. Once it started, each is selected once.
+    #[test]
+    fn a_thousand_held_requests_are_selected_again_only_once_their_engine_started() {
+        let memory = Arc::new(MemoryHost::default());
+        let (app, mut ahead, cluster, sibling) = prefix_behind_work(&memory);
+        memory.advance_ms(5);
+        let mut lives: Vec<RequestLife> = (0..1000)
+            .map(|i| {
+                let (life, actions) = send_body(&app, 10 + i, &sibling);
+                assert_eq!(actions, [Action::Hold]);
+                life
+            })
+            .collect();
+        let mut reads = 0;
+        let mut read = |_| {
+            reads += 1;
+            sibling.clone()
+        };
+        let mut out = Vec::new();
+        for _ in 0..100 {
+            memory.advance_ms(2);
+            lives.iter_mut().for_each(|life| life.on_turn(&app, &mut read, &mut out));
+        }
+        assert!(visible(&mut out).is_empty());
+        ahead.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
+        ahead.on_response_body(false, &mut out);
+        out.clear();
+        let mut routed = 0;
+        for life in &mut lives {
+            life.on_turn(&app, &mut read, &mut out);
+            routed += usize::from(upstream(&visible(&mut out)) == Some(cluster.as_str()));
+        }
+        assert_eq!((reads, routed, app.held().get()), (1000, 1000, 0));
     }
 
     /// An engine that never answers the work ahead holds nothing back for long, and a client that
@@ -1552,10 +1642,10 @@ mod tests {
         assert_eq!(app.held().get(), 1, "its client left");
 
         memory.advance_ms(MAX_HOLD_MS - 1);
-        life.on_turn(&app, &mut out);
+        life.on_turn(&app, &mut |_| sibling.clone(), &mut out);
         assert!(life.holding());
         memory.advance_ms(1);
-        life.on_turn(&app, &mut out);
+        life.on_turn(&app, &mut |_| sibling.clone(), &mut out);
         let actions = visible(&mut out);
         assert_eq!(actions.last(), Some(&Action::Proceed), "goes regardless");
         assert!(upstream(&actions).is_some_and(|other| other != cluster), "{actions:?}");
@@ -1567,7 +1657,8 @@ mod tests {
         let config = json!({
             "workers": [engine("A", 1, "plain")],
             "retry": {"attempts": 0},
-            "queue": {"max_requests": max_requests, "max_wait_ms": 1000},
+            "queue": {"max_requests": max_requests, "max_wait_ms": 1000,
+                "classes": {"standard": {}, "interactive": {"priority": 10}, "batch": {"priority": -10}}},
             "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {
                 "type": "round_robin", "admission": {"max_inflight_requests": 1}}}}}]}},
         });
@@ -1579,13 +1670,17 @@ mod tests {
 
     /// A request with `headers` (name, value) as stream `id`: its life and the body's actions.
     fn send_as(app: &AppContext, id: u32, extra: &[(&str, &str)]) -> (RequestLife, Vec<Action>) {
+        send_with(app, id, extra, CHAT)
+    }
+
+    fn send_with(app: &AppContext, id: u32, extra: &[(&str, &str)], body: &[u8]) -> (RequestLife, Vec<Action>) {
         let mut life = RequestLife::new(None, id);
         let mut out = Vec::new();
         let mut h = headers("POST", "/v1/chat/completions");
         h.extend(extra.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())));
         life.on_request_headers(app, h, false, &mut out);
         out.clear();
-        life.on_request_body(app, CHAT.len(), true, &mut |_| CHAT.to_vec(), &mut out);
+        life.on_request_body(app, body.len(), true, &mut |_| body.to_vec(), &mut out);
         (life, out)
     }
 
@@ -1600,8 +1695,9 @@ mod tests {
         })
     }
 
+    /// The body is read again from Envoy's buffer when the request is tried: it keeps no copy.
     #[test]
-    fn a_refused_request_waits_and_goes_to_the_engine_that_frees() {
+    fn a_refused_request_waits_without_its_body_and_goes_to_the_engine_that_frees() {
         let memory = Arc::new(MemoryHost::default());
         let app = queued_app(&memory, 1, 8);
         let (mut first, out) = send_as(&app, 1, &[]);
@@ -1609,21 +1705,32 @@ mod tests {
         let (mut second, mut out) = send_as(&app, 2, &[]);
         assert_eq!(visible(&mut out), [Action::Wait], "no answer: it waits");
         assert!(app.waiting().holds(2));
+        let State::Queued(queued) = &second.state else { panic!("{:?}", second.state) };
+        assert!(queued.ticket.body.is_none() && queued.ticket.request.prompt_text.is_none());
+        assert_eq!(app.waiting().depth("m"), (1, CHAT.len() as u64));
         assert_eq!(app.waiting().turns(), [2]);
-        second.on_turn(&app, &mut out);
+        let mut reads = 0;
+        let mut read = |_| {
+            reads += 1;
+            CHAT.to_vec()
+        };
+        for _ in 0..100 {
+            second.on_turn(&app, &mut read, &mut out);
+        }
         assert!(visible(&mut out).is_empty(), "still full: it keeps waiting");
         let mut end = Vec::new();
         first.on_end(&app, &mut end);
         memory.advance_ms(30);
-        second.on_turn(&app, &mut out);
+        second.on_turn(&app, &mut read, &mut out);
+        assert_eq!(reads, 1, "selected again only once room freed, its body read from Envoy's buffer");
         assert_eq!(upstream(&out), Some("sgl_A"));
         assert!(out.contains(&Action::Proceed));
         let waited = out.iter().find_map(|a| match a {
             Action::Observe(name, ms) if name.starts_with("sgl_router_queue_wait_ms") => Some((name.to_string(), *ms)),
             _ => None,
         });
-        assert_eq!(waited, Some(("sgl_router_queue_wait_ms.priority.0".to_string(), 30)));
-        assert!(!app.waiting().holds(2) && app.waiting().depth("m") == 0);
+        assert_eq!(waited, Some(("sgl_router_queue_wait_ms.class.standard".to_string(), 30)));
+        assert!(!app.waiting().holds(2) && app.waiting().depth("m") == (0, 0));
     }
 
     #[test]
@@ -1631,17 +1738,17 @@ mod tests {
         let memory = Arc::new(MemoryHost::default());
         let app = queued_app(&memory, 1, 8);
         let (_first, _) = send_as(&app, 1, &[]);
-        let (mut second, mut out) = send_as(&app, 2, &[("x-sgl-priority", "3")]);
+        let (mut second, mut out) = send_as(&app, 2, &[("x-sgl-class", "interactive")]);
         out.clear();
         memory.advance_ms(1000);
         assert_eq!(app.waiting().turns(), [2]);
-        second.on_turn(&app, &mut out);
+        second.on_turn(&app, &mut |_| CHAT.to_vec(), &mut out);
         let (status, body, headers) = reply_of(&out).unwrap();
         assert_eq!((status, body["error"]["type"].as_str()), (429, Some("queue_timeout")));
         assert!(headers.contains(&("retry-after", "1".to_string())));
-        assert_eq!(app.waiting().depth("m"), 0);
+        assert_eq!(app.waiting().depth("m"), (0, 0));
         let counted = app.sync_shared_now();
-        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Timeout, 3)), Some(&1));
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Timeout, "interactive".into())), Some(&1));
     }
 
     #[test]
@@ -1649,24 +1756,25 @@ mod tests {
         let memory = Arc::new(MemoryHost::default());
         let app = queued_app(&memory, 1, 1);
         let (_first, _) = send_as(&app, 1, &[]);
-        let (mut second, _) = send_as(&app, 2, &[]);
+        let (mut second, _) = send_as(&app, 2, &[("x-sgl-class", "no-such-class")]);
         let (_third, out) = send_as(&app, 3, &[]);
         let (status, body, headers) = reply_of(&out).unwrap();
         assert_eq!((status, body["error"]["type"].as_str()), (429, Some("queue_full")));
         assert!(headers.contains(&("retry-after", "1".to_string())));
         let mut out = Vec::new();
         second.on_end(&app, &mut out);
-        assert!(!app.waiting().holds(2) && app.waiting().depth("m") == 0);
+        assert!(!app.waiting().holds(2) && app.waiting().depth("m") == (0, 0));
         let counted = app.sync_shared_now();
-        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::ClientGone, 0)), Some(&1));
-        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Full, 0)), Some(&1));
+        let standard = || Arc::<str>::from("standard");
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::ClientGone, standard())), Some(&1));
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Full, standard())), Some(&1));
         // Gone, it is never dispatched.
-        second.on_turn(&app, &mut out);
+        second.on_turn(&app, &mut |_| CHAT.to_vec(), &mut out);
         assert!(visible(&mut out).is_empty());
     }
 
     #[test]
-    fn an_arrival_on_another_vm_waits_behind_and_the_higher_priority_goes_first() {
+    fn an_arrival_on_another_vm_waits_behind_and_the_higher_class_goes_first() {
         let memory = Arc::new(MemoryHost::default());
         let (vm1, vm2) = (queued_app(&memory, 1, 8), queued_app(&memory, 2, 8));
         // VMs see each other's counts as of their last exchange: each exchanges here at once.
@@ -1680,23 +1788,123 @@ mod tests {
         exchange();
         let (mut first, _) = send_as(&vm1, 1, &[]);
         exchange();
-        let (mut low, _) = send_as(&vm1, 2, &[("x-sgl-priority", "0")]);
-        let (mut high, _) = send_as(&vm2, 2, &[("x-sgl-priority", "5")]);
-        assert!(vm2.waiting().holds(2) && vm1.waiting().depth("m") == 2);
+        let (mut low, _) = send_as(&vm1, 2, &[("x-sgl-class", "standard")]);
+        let (mut high, _) = send_as(&vm2, 2, &[("x-sgl-class", "interactive")]);
+        assert!(vm2.waiting().holds(2) && vm1.waiting().depth("m").0 == 2);
         let mut out = Vec::new();
         first.on_end(&vm1, &mut out);
         exchange();
         // Room: an arrival on VM 2 does not take it from those waiting.
-        let (_late, mut out) = send_as(&vm2, 3, &[("x-sgl-priority", "-1")]);
+        let (_late, mut out) = send_as(&vm2, 3, &[("x-sgl-class", "batch")]);
         assert_eq!(visible(&mut out), [Action::Wait]);
-        // Two VMs wait: the first two may be tried, the high one first, on VM 2.
+        // One engine: only the first of those waiting for it is tried, the high one, on VM 2.
         assert_eq!(vm2.waiting().turns(), [2]);
-        assert_eq!(vm1.waiting().turns(), [2]);
-        high.on_turn(&vm2, &mut out);
+        assert!(vm1.waiting().turns().is_empty());
+        high.on_turn(&vm2, &mut |_| CHAT.to_vec(), &mut out);
         assert_eq!(upstream(&out), Some("sgl_A"));
         exchange();
         let mut out = Vec::new();
-        low.on_turn(&vm1, &mut out);
+        assert_eq!(vm1.waiting().turns(), [2]);
+        low.on_turn(&vm1, &mut |_| CHAT.to_vec(), &mut out);
         assert!(visible(&mut out).is_empty() && vm1.waiting().holds(2), "full again: the low one waits on");
+    }
+
+    /// A short bucket of two engines and a long one of one. A long request waits for the long
+    /// engine; a short request that arrives after it goes at once to a short engine with room,
+    /// and a short one that finds the short engines full waits, and is not held behind the long
+    /// one when a short engine frees.
+    #[test]
+    fn a_request_waits_only_behind_requests_that_compete_for_its_engines() {
+        let memory = Arc::new(MemoryHost::default());
+        let config = json!({
+            "workers": [engine("S1", 1, "plain"), engine("S2", 2, "plain"), engine("L", 3, "plain")],
+            "retry": {"attempts": 0},
+            "load": {"source": "none"},
+            "queue": {"max_requests": 8, "max_wait_ms": 1000},
+            "models": {"m": {"buckets": [
+                {"id": "short", "limits": {"max": 100}, "groups": {"plain": {"worker_ids": ["S1", "S2"],
+                    "policy": {"type": "load_based", "admission": {"max_inflight_requests": 1}}}}},
+                {"id": "long", "groups": {"plain": {"worker_ids": ["L"],
+                    "policy": {"type": "round_robin", "admission": {"max_inflight_requests": 1}}}}}]}},
+        });
+        let config = parse_and_validate(&config.to_string()).unwrap();
+        let (handles, _) = filter_handles(&config, Arc::clone(&memory) as Arc<dyn Host>, 1);
+        let app = AppContext::new(config, handles);
+        let long = format!(
+            r#"{{"model": "m", "messages": [{{"role": "user", "content": "{}"}}], "max_tokens": 4}}"#,
+            "x".repeat(800)
+        );
+        let (_l1, out) = send_with(&app, 1, &[], long.as_bytes());
+        assert_eq!(upstream(&out), Some("sgl_L"));
+        let (mut l2, mut out) = send_with(&app, 2, &[], long.as_bytes());
+        assert_eq!(visible(&mut out), [Action::Wait], "the long engine is busy");
+        let (mut s1, out) = send_as(&app, 3, &[]);
+        assert_eq!(upstream(&out), Some("sgl_S1"), "a short engine with room: at once");
+        let (_s2, out) = send_as(&app, 4, &[]);
+        assert_eq!(upstream(&out), Some("sgl_S2"));
+        let (mut s3, mut out) = send_as(&app, 5, &[]);
+        assert_eq!(
+            visible(&mut out),
+            [Action::Wait],
+            "both short engines busy, and the long one is the long request's"
+        );
+        assert_eq!(app.waiting().turns(), [2, 5], "each may be tried: the short one on the short engines");
+        s1.on_end(&app, &mut out);
+        out.clear();
+        s3.on_turn(&app, &mut |_| CHAT.to_vec(), &mut out);
+        assert_eq!(upstream(&out), Some("sgl_S1"), "passes the long request still waiting");
+        l2.on_turn(&app, &mut |_| long.as_bytes().to_vec(), &mut out);
+        assert!(app.waiting().holds(2), "the long one still waits for its engine");
+    }
+
+    /// Each time the engine frees, the next of those waiting goes: none is left behind.
+    #[test]
+    fn four_waiting_on_one_engine_are_served_in_turn() {
+        let memory = Arc::new(MemoryHost::default());
+        let app = queued_app(&memory, 1, 8);
+        let (mut running, _) = send_as(&app, 1, &[]);
+        let mut waiting: Vec<RequestLife> = (2..6).map(|id| send_as(&app, id, &[]).0).collect();
+        let mut served = 0;
+        for _ in 0..8 {
+            let mut out = Vec::new();
+            running.on_end(&app, &mut out);
+            memory.advance_ms(10);
+            let mut next = None;
+            for _ in 0..8 {
+                let turns = app.waiting().turns();
+                if turns.is_empty() {
+                    break;
+                }
+                for id in turns {
+                    let life = &mut waiting[(id - 2) as usize];
+                    let mut out = Vec::new();
+                    life.on_turn(&app, &mut |_| CHAT.to_vec(), &mut out);
+                    if out.contains(&Action::Proceed) {
+                        served += 1;
+                        next = Some(id);
+                    }
+                }
+            }
+            match next {
+                Some(id) => running = std::mem::take(&mut waiting[(id - 2) as usize]),
+                None => break,
+            }
+        }
+        assert_eq!((served, app.waiting().depth("m")), (4, (0, 0)));
+    }
+
+    /// The shared queue that cannot be written is a 503, never a way around it.
+    #[test]
+    fn a_queue_that_cannot_be_written_is_a_503_not_a_way_past_it() {
+        let memory = Arc::new(MemoryHost::default());
+        let app = queued_app(&memory, 1, 8);
+        let (_first, _) = send_as(&app, 1, &[]);
+        memory.contend(Some(&crate::state::keys::waiting_queue("")));
+        let (_second, out) = send_as(&app, 2, &[]);
+        memory.contend(None);
+        let (status, body, _) = reply_of(&out).unwrap();
+        assert_eq!((status, body["error"]["type"].as_str()), (503, Some("queue_unavailable")), "{body}");
+        let counted = app.sync_shared_now();
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Unavailable, "standard".into())), Some(&1));
     }
 }

@@ -1,33 +1,128 @@
 //! A filter VM's side of flow control (spec §9): which of its streams wait in which model's queue
-//! and until when, when each may be tried again, and the answers a wait ends in. The order across
-//! VMs is the shared queue's ([`wait_queue`]); this room only remembers its own streams, which the
-//! glue wakes when [`WaitingRoom::turns`] names them.
+//! and until when, the class and tenant a request waits as, and the answers a wait ends in. The
+//! order across VMs is the shared queue's ([`wait_queue`]); this room only remembers its own
+//! streams, which the glue wakes when [`WaitingRoom::turns`] names them, and the engines each must
+//! leave to the requests ahead of it.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use super::{ErrorKind, RouteError};
 use crate::config::QueueConfig;
-use crate::host::Host;
+use crate::host::{Host, HostError};
+use crate::registry::EngineSet;
+use crate::state::load_monitor::LoadSnapshot;
 pub use crate::state::wait_queue::QueueExit;
-use crate::state::wait_queue::{self, clamp_priority, tenant, JoinError, Joining};
+use crate::state::wait_queue::{self, fingerprint, JoinError, Joining, Limits};
 
 /// What a 429 from the queue tells a client to wait before it tries again, in seconds.
 pub const RETRY_AFTER_S: u64 = 1;
 
-/// A stream's place in its model's queue.
+/// What a request's work is charged when it names no output budget: the tokens beyond its prompt
+/// its tenant's fair share counts.
+pub const UNKNOWN_BUDGET_TOKENS: u64 = 1_024;
+
+/// What a request waits as: its model's queue, its class and tenant, its work and the engines it
+/// could use.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Place {
+pub struct Seat {
     pub model: Arc<str>,
-    pub deadline_ms: u64,
-    /// It may be tried at once: it is among its model's first.
-    pub turn: bool,
+    /// The class's name, for the stats; its priority and longest wait.
+    pub class: Arc<str>,
+    pub priority: i32,
+    pub max_wait_ms: u64,
+    pub tenant: u64,
+    pub cost: u64,
+    pub bytes: u64,
+    pub engines: EngineSet,
+}
+
+impl Seat {
+    /// The class `config.class_header` names (else the default one) and the tenant
+    /// `config.tenant_header` names, read with `header`.
+    pub fn new(
+        config: &QueueConfig,
+        model: &str,
+        header: &dyn Fn(&str) -> Option<String>,
+        (cost, bytes): (u64, u64),
+        engines: EngineSet,
+    ) -> Self {
+        let named = header(&config.class_header);
+        let (class, settings) = config.class(named.as_deref().map(str::trim));
+        Self {
+            model: Arc::from(model),
+            class: Arc::from(class),
+            priority: settings.priority,
+            max_wait_ms: config.max_wait_ms(&settings),
+            tenant: fingerprint(&header(&config.tenant_header).unwrap_or_default()),
+            cost,
+            bytes,
+            engines,
+        }
+    }
+
+    fn joining(&self, vm: u64, id: u32, deadline_ms: u64) -> Joining {
+        Joining {
+            vm,
+            id,
+            class: fingerprint(&self.class),
+            priority: self.priority,
+            tenant: self.tenant,
+            cost: self.cost,
+            bytes: self.bytes,
+            engines: self.engines,
+            deadline_ms,
+            max_wait_ms: self.max_wait_ms,
+        }
+    }
+}
+
+/// What a waiting request's engines looked like when it was last refused: each engine it may take
+/// (its registry place, in-flight count, and whether it is in service), the load report, and what
+/// was reserved for the requests ahead. It is selected again only when room may have freed since
+/// ([`Capacity::freed_since`]).
+#[derive(Debug, Clone)]
+pub struct Capacity {
+    pub engines: Vec<EngineRoom>,
+    pub load: Arc<LoadSnapshot>,
+    pub reserved: EngineSet,
+}
+
+/// One engine as a waiting request saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineRoom {
+    pub place: usize,
+    pub inflight: u64,
+    pub in_service: bool,
+}
+
+impl Capacity {
+    /// Whether room it could use may have freed since `before`: a count of one of its engines
+    /// fell, one came back into service, a load report arrived, or the requests ahead of it
+    /// changed.
+    pub fn freed_since(&self, before: &Capacity) -> bool {
+        self.reserved != before.reserved
+            || !Arc::ptr_eq(&self.load, &before.load)
+            || self.engines.len() != before.engines.len()
+            || self.engines.iter().zip(&before.engines).any(|(now, then)| {
+                now.place != then.place || now.inflight < then.inflight || (now.in_service && !then.in_service)
+            })
+    }
+}
+
+/// A request the queue would not take: why, for the stats, and the answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub exit: QueueExit,
+    pub error: RouteError,
 }
 
 #[derive(Debug)]
 struct Waiter {
     model: Arc<str>,
     deadline_ms: u64,
+    /// The engines the requests ahead of it could use, as of its last turn.
+    reserved: EngineSet,
 }
 
 /// This VM's waiting streams, by their context id.
@@ -36,11 +131,8 @@ pub struct WaitingRoom {
     host: Arc<dyn Host>,
     vm: u64,
     waiting: Mutex<BTreeMap<u32, Waiter>>,
-}
-
-/// The priority a request asks for in `config.priority_header`: an integer, clamped; else 0.
-pub fn priority(config: &QueueConfig, header: &dyn Fn(&str) -> Option<String>) -> i32 {
-    header(&config.priority_header).and_then(|v| v.trim().parse::<i64>().ok()).map(clamp_priority).unwrap_or(0)
+    /// Leaves the shared queue did not take (its cas contended), tried again on each turn.
+    unleft: Mutex<Vec<(Arc<str>, u32, bool)>>,
 }
 
 pub fn timed_out(model: &str, max_wait_ms: u64) -> RouteError {
@@ -50,9 +142,40 @@ pub fn timed_out(model: &str, max_wait_ms: u64) -> RouteError {
     )
 }
 
+fn refusal(seat: &Seat, error: JoinError) -> Refusal {
+    let (model, class) = (&seat.model, &seat.class);
+    let (exit, kind, message) = match error {
+        JoinError::Full(n) => (
+            QueueExit::Full,
+            ErrorKind::QueueFull,
+            format!("every engine of model `{model}` is full and {n} requests wait already, the queue's limit"),
+        ),
+        JoinError::TenantFull(n) => (
+            QueueExit::TenantFull,
+            ErrorKind::QueueFull,
+            format!("{n} requests of this tenant wait for model `{model}` already, the queue's limit per tenant"),
+        ),
+        JoinError::Hopeless { ahead, expected_ms } => (
+            QueueExit::Predicted,
+            ErrorKind::QueueTimeout,
+            format!(
+                "{ahead} requests ahead wait for the same engines of model `{model}`: an expected wait of \
+                 {expected_ms} ms, past class `{class}`'s {} ms",
+                seat.max_wait_ms
+            ),
+        ),
+        JoinError::Host(e) => (
+            QueueExit::Unavailable,
+            ErrorKind::QueueUnavailable,
+            format!("the queue of model `{model}` could not be written: {e}"),
+        ),
+    };
+    Refusal { exit, error: RouteError::new(kind, message) }
+}
+
 impl WaitingRoom {
     pub fn new(host: Arc<dyn Host>, vm: u64) -> Self {
-        Self { host, vm, waiting: Mutex::default() }
+        Self { host, vm, waiting: Mutex::default(), unleft: Mutex::default() }
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut BTreeMap<u32, Waiter>) -> R) -> Option<R> {
@@ -68,60 +191,59 @@ impl WaitingRoom {
         self.with(|w| w.contains_key(&id)).unwrap_or(false)
     }
 
-    /// Whether any request of `model` waits, on any VM: an arrival then waits behind it.
-    pub fn occupied(&self, model: &str) -> bool {
-        wait_queue::read(self.host.as_ref(), model).is_ok_and(|board| !board.is_empty())
+    /// The engines an arrival seated as `seat` must leave to the requests already waiting ahead of
+    /// it (none when none waits). A queue that cannot be read is an error: nobody skips it.
+    pub fn reserved_ahead(&self, seat: &Seat) -> Result<EngineSet, HostError> {
+        let board = wait_queue::read(self.host.as_ref(), &seat.model)?;
+        Ok(if board.is_empty() { EngineSet::default() } else { board.reserved_ahead(&seat.joining(self.vm, 0, 0)) })
     }
 
-    /// Requests of `model` waiting, on every VM.
-    pub fn depth(&self, model: &str) -> usize {
-        wait_queue::read(self.host.as_ref(), model).map(|board| board.len()).unwrap_or(0)
+    /// Requests of `model` waiting on every VM, and the bytes of their bodies.
+    pub fn depth(&self, model: &str) -> (usize, u64) {
+        wait_queue::read(self.host.as_ref(), model).map(|board| (board.len(), board.bytes())).unwrap_or_default()
     }
 
-    /// Stream `id` joins `model`'s queue at `priority` ([`priority`]). A full queue is a 429
-    /// `queue_full`; a queue that cannot be read or written is `None`: the request is answered as
-    /// it would be without one.
-    pub fn join(
-        &self,
-        id: u32,
-        model: &str,
-        config: &QueueConfig,
-        priority: i32,
-        header: &dyn Fn(&str) -> Option<String>,
-    ) -> Option<Result<Place, RouteError>> {
-        let deadline_ms = self.host.now_ms().saturating_add(config.max_wait_ms);
-        let tenant = tenant(&header(&config.tenant_header).unwrap_or_default());
-        let joining = Joining { vm: self.vm, id, priority, tenant, deadline_ms };
-        let max = config.max_requests as usize;
-        match wait_queue::join(self.host.as_ref(), model, &joining, max) {
-            Ok(board) => {
-                let model: Arc<str> = Arc::from(model);
-                self.with(|w| w.insert(id, Waiter { model: Arc::clone(&model), deadline_ms }));
-                let turn = board.turns(self.vm, self.host.now_ms()).contains(&id);
-                Some(Ok(Place { model, deadline_ms, turn }))
-            }
-            Err(JoinError::Full(n)) => Some(Err(RouteError::new(
-                ErrorKind::QueueFull,
-                format!("every engine of model `{model}` is full and {n} requests wait already, the queue's limit"),
-            ))),
-            Err(JoinError::Host(e)) => {
-                log::warn!("queue of model `{model}` not joined: {e}");
-                None
-            }
-        }
+    /// Stream `id` joins its seat's queue until `deadline_ms`; whether it may be tried at once.
+    pub fn join(&self, id: u32, seat: &Seat, config: &QueueConfig, deadline_ms: u64) -> Result<bool, Refusal> {
+        let limits =
+            Limits { max_requests: config.max_requests as usize, max_per_tenant: config.max_per_tenant as usize };
+        let board = wait_queue::join(self.host.as_ref(), &seat.model, &seat.joining(self.vm, id, deadline_ms), limits)
+            .map_err(|e| refusal(seat, e))?;
+        let reserved = board.reserved_for(self.vm, id).unwrap_or_default();
+        let turn = !seat.engines.is_subset(&reserved);
+        let waiter = Waiter { model: Arc::clone(&seat.model), deadline_ms, reserved };
+        self.with(|w| w.insert(id, waiter));
+        Ok(turn)
     }
 
     /// Stream `id` leaves its queue: `served` when it was dispatched.
     pub fn leave(&self, id: u32, served: bool) {
         let Some(Some(waiter)) = self.with(|w| w.remove(&id)) else { return };
-        if let Err(e) = wait_queue::leave(self.host.as_ref(), &waiter.model, self.vm, id, served) {
-            // Its entry is purged after its deadline by the next writer.
-            log::warn!("queue of model `{}` not left: {e}", waiter.model);
+        self.leave_shared(waiter.model, id, served);
+    }
+
+    fn leave_shared(&self, model: Arc<str>, id: u32, served: bool) {
+        if let Err(e) = wait_queue::leave(self.host.as_ref(), &model, self.vm, id, served) {
+            // Tried again on the next turn; past its deadline any writer purges it.
+            log::warn!("queue of model `{model}` not left: {e}");
+            if let Ok(mut unleft) = self.unleft.lock() {
+                unleft.push((model, id, served));
+            }
         }
     }
 
-    /// The streams to wake now, in order: those whose wait is over, then those whose turn it is.
+    /// The engines stream `id` must leave to the requests ahead of it, as of its last turn.
+    pub fn reserved(&self, id: u32) -> EngineSet {
+        self.with(|w| w.get(&id).map(|x| x.reserved)).flatten().unwrap_or_default()
+    }
+
+    /// The streams to wake now, in order: those whose wait is over, then those that may be tried
+    /// (each with the engines left to those ahead of it, read by [`WaitingRoom::reserved`]).
     pub fn turns(&self) -> Vec<u32> {
+        let retries = self.unleft.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
+        for (model, id, served) in retries {
+            self.leave_shared(model, id, served);
+        }
         let now = self.host.now_ms();
         let Some((mut due, models)) = self.with(|w| {
             let due: Vec<u32> = w.iter().filter(|(_, x)| x.deadline_ms <= now).map(|(id, _)| *id).collect();
@@ -135,9 +257,10 @@ impl WaitingRoom {
         for model in models {
             match wait_queue::read(self.host.as_ref(), &model) {
                 Ok(board) => {
-                    for id in board.turns(self.vm, now) {
-                        if !due.contains(&id) {
-                            due.push(id);
+                    for turn in board.turns(self.vm) {
+                        self.with(|w| w.get_mut(&turn.id).map(|x| x.reserved = turn.reserved));
+                        if !due.contains(&turn.id) {
+                            due.push(turn.id);
                         }
                     }
                 }
@@ -155,32 +278,72 @@ mod tests {
     use crate::testing::test;
 
     fn config(max_requests: u32) -> QueueConfig {
-        serde_json::from_value(serde_json::json!({"max_requests": max_requests, "max_wait_ms": 100})).unwrap()
+        serde_json::from_value(serde_json::json!({"max_requests": max_requests, "max_wait_ms": 100,
+            "classes": {"standard": {}, "interactive": {"priority": 10, "max_wait_ms": 50}}}))
+        .unwrap()
     }
 
-    fn headers(priority: &'static str, tenant: &'static str) -> impl Fn(&str) -> Option<String> {
-        move |name| match name {
-            "x-sgl-priority" => Some(priority.to_string()),
+    fn seat(class: &'static str, tenant: &'static str, slots: &[usize]) -> Seat {
+        let header = move |name: &str| match name {
+            "x-sgl-class" => Some(class.to_string()),
             "x-sgl-tenant" => Some(tenant.to_string()),
             _ => None,
-        }
+        };
+        let mut engines = EngineSet::default();
+        slots.iter().for_each(|s| engines.insert(*s));
+        Seat::new(&config(8), "m", &header, (10, 100), engines)
+    }
+
+    #[test]
+    fn a_class_is_the_operators_and_an_unknown_one_is_the_default() {
+        let s = seat("interactive", "t", &[0]);
+        assert_eq!((&*s.class, s.priority, s.max_wait_ms), ("interactive", 10, 50));
+        let s = seat("gold", "t", &[0]);
+        assert_eq!((&*s.class, s.priority, s.max_wait_ms), ("standard", 0, 100));
     }
 
     #[test]
     fn rooms_of_two_vms_share_one_order_and_each_wakes_its_own() {
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
         let (a, b) = (WaitingRoom::new(Arc::clone(&host), 1), WaitingRoom::new(Arc::clone(&host), 2));
-        let place = a.join(10, "m", &config(8), 0, &headers("0", "t")).unwrap().unwrap();
-        assert!(place.turn);
-        let place = b.join(20, "m", &config(8), 7, &headers("7", "t")).unwrap().unwrap();
-        assert!(place.turn, "the higher priority goes first, on the other VM");
-        assert_eq!(b.turns(), [20]);
-        assert_eq!(a.turns(), [10], "two VMs wait: each may try its first");
-        assert!(a.occupied("m") && !a.occupied("other"));
-        assert_eq!(a.depth("m"), 2);
+        let deadline = host.now_ms() + 100;
+        assert!(a.join(10, &seat("standard", "t", &[0]), &config(8), deadline).unwrap());
+        assert!(b.join(20, &seat("interactive", "t", &[0]), &config(8), deadline).unwrap());
+        assert_eq!(b.turns(), [20], "the higher class goes first, on the other VM");
+        assert!(a.turns().is_empty(), "VM 1's request competes with the one ahead of it");
+        // A request for other engines is tried beside them.
+        assert!(a.join(11, &seat("standard", "u", &[1]), &config(8), deadline).unwrap());
+        assert_eq!(a.turns(), [11]);
+        let mut zero = EngineSet::default();
+        zero.insert(0);
+        assert_eq!(a.reserved(11), zero);
+        assert_eq!(a.depth("m"), (3, 300));
         b.leave(20, true);
+        assert_eq!(a.turns(), [10, 11]);
         assert!(b.is_empty() && !a.is_empty());
-        assert_eq!(a.depth("m"), 1);
+    }
+
+    #[test]
+    fn room_may_have_freed_when_a_count_fell_an_engine_returned_a_report_came_or_those_ahead_changed() {
+        let room = |place, inflight, in_service| EngineRoom { place, inflight, in_service };
+        let load = Arc::new(LoadSnapshot::default());
+        let before = Capacity {
+            engines: vec![room(0, 2, true), room(1, 1, false)],
+            load: Arc::clone(&load),
+            reserved: EngineSet::default(),
+        };
+        let with = |engines: Vec<EngineRoom>| Capacity { engines, ..before.clone() };
+        assert!(!before.freed_since(&before));
+        assert!(!with(vec![room(0, 3, true), room(1, 1, false)]).freed_since(&before), "more in flight");
+        assert!(with(vec![room(0, 1, true), room(1, 1, false)]).freed_since(&before), "a count fell");
+        assert!(with(vec![room(0, 2, true), room(1, 1, true)]).freed_since(&before), "back in service");
+        assert!(!with(vec![room(0, 2, false), room(1, 1, false)]).freed_since(&before), "out of service");
+        assert!(with(vec![room(0, 2, true)]).freed_since(&before), "other engines");
+        let report = Capacity { load: Arc::new(LoadSnapshot::default()), ..before.clone() };
+        assert!(report.freed_since(&before), "a load report");
+        let mut reserved = EngineSet::default();
+        reserved.insert(3);
+        assert!(Capacity { reserved, ..before.clone() }.freed_since(&before), "those ahead changed");
     }
 
     #[test]
@@ -188,22 +351,13 @@ mod tests {
         let memory = Arc::new(MemoryHost::default());
         let host: Arc<dyn Host> = Arc::clone(&memory) as Arc<dyn Host>;
         let room = WaitingRoom::new(host, 1);
-        room.join(1, "m", &config(2), 0, &headers("x", "")).unwrap().unwrap();
-        room.join(2, "m", &config(2), -3, &headers("-3", "")).unwrap().unwrap();
-        let full = room.join(3, "m", &config(2), 0, &headers("0", "")).unwrap().unwrap_err();
-        assert_eq!((full.status(), full.kind), (429, ErrorKind::QueueFull));
-        assert_eq!(room.turns(), [1], "one VM waits: only the first may be tried");
-        memory.advance_ms(100);
+        let deadline = memory.now_ms() + 100;
+        room.join(1, &seat("standard", "a", &[0]), &config(2), deadline).unwrap();
+        room.join(2, &seat("standard", "b", &[0]), &config(2), deadline + 1).unwrap();
+        let full = room.join(3, &seat("standard", "c", &[0]), &config(2), deadline).unwrap_err();
+        assert_eq!((full.exit, full.error.status(), full.error.kind), (QueueExit::Full, 429, ErrorKind::QueueFull));
+        assert_eq!(room.turns(), [1], "one engine: only the first may be tried");
+        memory.advance_ms(101);
         assert_eq!(room.turns(), [1, 2], "both waits are over");
-    }
-
-    #[test]
-    fn priorities_parse_as_integers_and_are_clamped() {
-        let c = config(1);
-        assert_eq!(priority(&c, &headers("5", "")), 5);
-        assert_eq!(priority(&c, &headers(" -2 ", "")), -2);
-        assert_eq!(priority(&c, &headers("99999999999999", "")), 100);
-        assert_eq!(priority(&c, &headers("high", "")), 0);
-        assert_eq!(priority(&c, &|_| None), 0);
     }
 }

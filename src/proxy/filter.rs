@@ -82,7 +82,8 @@ impl Stream {
     pub fn on_turn(&mut self) {
         let _clock = ClockScope::enter();
         let mut actions = self.take_actions();
-        self.life.on_turn(&self.app.borrow(), &mut actions);
+        let mut read = |size| read_buffer(BufferType::HttpRequestBody, size);
+        self.life.on_turn(&self.app.borrow(), &mut read, &mut actions);
         if self.carry_out(actions) {
             let _ = hostcalls::resume_http_request();
         }

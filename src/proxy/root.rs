@@ -17,7 +17,7 @@ use crate::filter::AppContext;
 use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
 use crate::state::{filter_config, vm_registry};
-use crate::wiring::counters::queue_depth;
+use crate::wiring::counters::{queue_bytes, queue_depth};
 use crate::wiring::factory::filter_handles;
 use std::time::Duration;
 
@@ -140,12 +140,14 @@ impl Root {
         let _ = hostcalls::set_effective_context(self.context_id);
     }
 
-    /// Each queued model's depth, counted over every VM.
+    /// Each queued model's depth and bytes waiting, counted over every VM.
     fn export_depths(&self, app: &Rc<RefCell<AppContext>>) {
         let app = app.borrow();
         let config = app.config();
         for model in config.models.keys().filter(|m| config.queue_for(m).is_some()) {
-            self.stats.gauge(&queue_depth(model), app.waiting().depth(model) as u64);
+            let (depth, bytes) = app.waiting().depth(model);
+            self.stats.gauge(&queue_depth(model), depth as u64);
+            self.stats.gauge(&queue_bytes(model), bytes);
         }
     }
 

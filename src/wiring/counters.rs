@@ -47,14 +47,19 @@ pub enum Counter {
     Abort(Role),
     /// `sgl_router_retries_total{stage}`: requests Envoy sent on to a fallback engine.
     Retry(Role),
-    /// `sgl_router_queue_rejections_total{priority, reason}`: requests that left the waiting queue
-    /// (or found it full) without being dispatched.
-    QueueRejection(QueueExit, i32),
+    /// `sgl_router_queue_rejections_total{class, reason}`: requests that left the waiting queue
+    /// (or were refused by it) without being dispatched.
+    QueueRejection(QueueExit, Arc<str>),
 }
 
-/// The waiting queue's histogram of how long dispatched requests waited, by priority.
-pub fn queue_wait_ms(priority: i32) -> String {
-    format!("sgl_router_queue_wait_ms.priority.{priority}")
+/// The waiting queue's histogram of how long dispatched requests waited, by class.
+pub fn queue_wait_ms(class: &str) -> String {
+    format!("sgl_router_queue_wait_ms.class.{}", label(class))
+}
+
+/// The gauge of the bytes of the bodies waiting in one model's queue (Envoy holds them).
+pub fn queue_bytes(model: &str) -> String {
+    format!("sgl_router_queue_bytes.model.{}", label(model))
 }
 
 /// The gauge of requests waiting in one model's queue, on every VM.
@@ -84,19 +89,19 @@ impl IndexerEvent {
 
 impl Counter {
     /// The family and label values: what tells two counters apart.
-    fn key(&self) -> (u8, &str, &str, i32) {
+    fn key(&self) -> (u8, &str, &str) {
         match self {
-            Counter::Outcome(o) => (0, o, "", 0),
-            Counter::BucketSelected(b) => (1, b, "", 0),
-            Counter::Pick(stage, w) => (2, stage.as_str(), &w.id, 0),
-            Counter::PickReason(stage, r) => (3, stage.as_str(), r.as_str(), 0),
-            Counter::Rejection(l) => (4, l.as_str(), "", 0),
-            Counter::PrefixLookup(v) => (5, v, "", 0),
-            Counter::HealthTableStale => (6, "", "", 0),
-            Counter::Indexer(cluster, event) => (7, cluster, event.as_str(), 0),
-            Counter::Abort(stage) => (8, stage.as_str(), "", 0),
-            Counter::Retry(stage) => (9, stage.as_str(), "", 0),
-            Counter::QueueRejection(exit, priority) => (10, exit.as_str(), "", *priority),
+            Counter::Outcome(o) => (0, o, ""),
+            Counter::BucketSelected(b) => (1, b, ""),
+            Counter::Pick(stage, w) => (2, stage.as_str(), &w.id),
+            Counter::PickReason(stage, r) => (3, stage.as_str(), r.as_str()),
+            Counter::Rejection(l) => (4, l.as_str(), ""),
+            Counter::PrefixLookup(v) => (5, v, ""),
+            Counter::HealthTableStale => (6, "", ""),
+            Counter::Indexer(cluster, event) => (7, cluster, event.as_str()),
+            Counter::Abort(stage) => (8, stage.as_str(), ""),
+            Counter::Retry(stage) => (9, stage.as_str(), ""),
+            Counter::QueueRejection(exit, class) => (10, exit.as_str(), class),
         }
     }
 
@@ -129,8 +134,8 @@ impl Counter {
             }
             Counter::Abort(stage) => format!("sgl_router_aborts_total.stage.{}", stage.as_str()),
             Counter::Retry(stage) => format!("sgl_router_retries_total.stage.{}", stage.as_str()),
-            Counter::QueueRejection(exit, priority) => {
-                format!("sgl_router_queue_rejections_total.priority.{priority}.reason.{}", exit.as_str())
+            Counter::QueueRejection(exit, class) => {
+                format!("sgl_router_queue_rejections_total.class.{}.reason.{}", label(class), exit.as_str())
             }
         }
     }

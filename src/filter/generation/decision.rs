@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use super::bucket_loop::select;
+use super::bucket_loop::{select, SelectionFailure};
 use super::dp_rank::{choose_rank, with_rank};
 use super::pd::{bootstrap_fields, PdDispatch};
 use super::request_id::{with_rid, RequestId};
@@ -153,6 +153,25 @@ impl Ticket {
         self.request.indexer = Some(answer);
     }
 
+    /// Drops what Envoy holds anyway (the body) and what is derived from it (the prompt's text and
+    /// token ids): a request that waits keeps its facts only, and is prepared again from Envoy's
+    /// buffer when it is tried ([`Ticket::resumed`]).
+    pub fn park(&mut self) {
+        self.body = None;
+        self.request.prompt_text = None;
+        self.request.token_ids = None;
+    }
+
+    /// `fresh`, prepared again from the body, with what this parked ticket learned since it was
+    /// first prepared: the indexer's answer, and whether it may still wait for its prefix.
+    pub fn resumed(self, mut fresh: Ticket) -> Ticket {
+        if let Some(answer) = self.request.indexer {
+            fresh.answered(answer);
+        }
+        fresh.request.prefix_wait_over = self.request.prefix_wait_over;
+        fresh
+    }
+
     /// The counter of the indexer's verdict, when it was asked.
     fn lookup_counter(&self) -> Option<Counter> {
         self.request.indexer.as_ref().map(|a| Counter::PrefixLookup(verdict(a)))
@@ -171,12 +190,23 @@ pub struct Outcome {
     /// dispatch that sent it there, and the request may still wait for it (its
     /// [`BucketRequest::prefix_wait_over`] unset): it waits at the router and is decided again.
     /// `result` then only says so.
-    pub held: Option<Ticket>,
+    pub held: Option<(Ticket, PrefixWait)>,
+}
+
+/// What a request held for its prefix waits for: `engine` to start on the dispatch that sent it
+/// the prefix at `sent_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixWait {
+    pub engine: String,
+    pub sent_ms: u64,
 }
 
 /// What a decision is made with besides the request: the wiring every request shares.
 pub struct Wiring<'a> {
     pub live: &'a LiveEngines,
+    /// A selection that tried every bucket waits for room, whatever the rejections: `live` leaves
+    /// out engines reserved for requests waiting ahead, or the request waits already (spec §9).
+    pub exhausted_waits: bool,
     pub upstream: &'a UpstreamHeader,
     pub random: &'a dyn RandomSource,
     pub prefill_timeout_ms: u64,
@@ -196,16 +226,19 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         Err(failure) => {
             let counters = metrics::failed(&failure).into_iter().chain(lookup_counter).collect();
             let error = failure.to_route_error();
-            let refused = (error.kind == ErrorKind::AdmissionRejected).then_some(ticket);
+            let exhausted = matches!(failure, SelectionFailure::Exhausted(_));
+            let refused =
+                (error.kind == ErrorKind::AdmissionRejected || (wiring.exhausted_waits && exhausted)).then_some(ticket);
             return Outcome { counters, result: Err(error), refused, held: None };
         }
     };
     // Sent now, it would be scheduled with the dispatch that brings its prefix, and prefill the
     // prefix again: it waits for the engine to start on that one. Nothing was counted yet.
     let (BucketPick::Plain(pick) | BucketPick::Pd { prefill: pick, .. }) = &selection.pick;
-    if !ticket.request.prefix_wait_over && pick.prefix_unstarted.is_some() {
+    if let (false, Some(sent_ms)) = (ticket.request.prefix_wait_over, pick.prefix_unstarted) {
         let error = RouteError::new(ErrorKind::AdmissionRejected, "waiting for its engine to start on its prefix");
-        return Outcome { counters: Vec::new(), result: Err(error), refused: None, held: Some(ticket) };
+        let wait = PrefixWait { engine: pick.engine.id.clone(), sent_ms };
+        return Outcome { counters: Vec::new(), result: Err(error), refused: None, held: Some((ticket, wait)) };
     }
     let mut counters = metrics::selected(&selection);
     counters.extend(lookup_counter);

@@ -112,8 +112,8 @@ pub(crate) fn stats_tags() -> Value {
                 {"tag_name": "vm", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.vm\\.([^.]+))$"},
                 {"tag_name": "indexer", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.indexer\\.([^.]+))"},
                 {"tag_name": "result", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.indexer\\.[^.]+)?(\\.result\\.([^.]+))$"},
-                {"tag_name": "reason", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(?:\\.priority\\.[^.]+)?(\\.reason\\.([^.]+))$"},
-                {"tag_name": "priority", "regex": "^wasmcustom\\.sgl_router_queue_\\w+(\\.priority\\.([^.]+))"},
+                {"tag_name": "reason", "regex": "^wasmcustom\\.sgl_router_\\w+(?:\\.stage\\.[^.]+)?(?:\\.class\\.[^.]+)?(\\.reason\\.([^.]+))$"},
+                {"tag_name": "class", "regex": "^wasmcustom\\.sgl_router_queue_\\w+(\\.class\\.([^.]+))"},
                 {"tag_name": "model", "regex": "^wasmcustom\\.sgl_router_\\w+(\\.model\\.([^.]+))$"},
     ])
 }

@@ -72,8 +72,8 @@ pub struct Args {
     /// Fixed workload: body size.
     #[arg(long, default_value_t = 4096)]
     pub body_bytes: usize,
-    /// This fraction of the requests, evenly spaced, carries `x-sgl-priority: 1`; the report then
-    /// gives each class its own summary.
+    /// This fraction of the requests, evenly spaced, carries `x-sgl-class: interactive`; the
+    /// report then gives each class its own summary.
     #[arg(long, default_value_t = 0.0)]
     pub high_fraction: f64,
     /// Goodput counts the requests completed with their first token within this many ms.

@@ -17,7 +17,7 @@ const TURNS_PER_SESSION: usize = 6;
 pub struct Request {
     pub body: Value,
     pub headers: Vec<(String, String)>,
-    /// `high` for the requests marked with a priority (`--high-fraction`), else `low`.
+    /// `high` for the requests marked interactive (`--high-fraction`), else `low`.
     pub class: &'static str,
     session: Option<usize>,
 }
@@ -96,13 +96,14 @@ impl Workload {
         json!({"model": self.model, "messages": messages, "max_tokens": self.output_tokens})
     }
 
-    /// The next request; evenly spaced ones of every `1 / high_fraction` carry `x-sgl-priority: 1`.
+    /// The next request; evenly spaced ones of every `1 / high_fraction` carry
+    /// `x-sgl-class: interactive`.
     pub fn next(&mut self) -> Option<Request> {
         let mut request = self.next_body()?;
         let n = self.sent as f64;
         if (n * self.high_fraction).floor() != ((n - 1.0) * self.high_fraction).floor() {
             request.class = "high";
-            request.headers.push(("x-sgl-priority".into(), "1".into()));
+            request.headers.push(("x-sgl-class".into(), "interactive".into()));
         }
         Some(request)
     }
