@@ -326,10 +326,17 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    /// Starts Envoy on a rendered bootstrap and waits for admin `/ready`.
+    /// Starts Envoy on a rendered bootstrap with two worker threads and waits for admin `/ready`.
     pub fn start(config: &Path, listen_port: u16, admin_port: u16, dir: &Path) -> Self {
+        Self::start_on(config, listen_port, admin_port, dir, 2)
+    }
+
+    /// The same with `concurrency` worker threads.
+    pub fn start_on(config: &Path, listen_port: u16, admin_port: u16, dir: &Path, concurrency: u32) -> Self {
         let mut cmd = Command::new(envoy_bin());
-        cmd.arg("-c").arg(config).args(["--concurrency", "2", "--disable-hot-restart", "-l", "info"]).current_dir(dir);
+        let threads = concurrency.to_string();
+        let args = ["--concurrency", threads.as_str(), "--disable-hot-restart", "-l", "info"];
+        cmd.arg("-c").arg(config).args(args).current_dir(dir);
         let mut envoy =
             Self { port: listen_port, admin_port, process: Process::spawn("envoy", &mut cmd, dir.join("envoy.log")) };
         let a = agent();
@@ -382,6 +389,21 @@ impl Deployment {
         router: impl FnOnce(&[Sim]) -> Value,
         adjust: impl FnOnce(&mut serde_yaml_ng::Value),
     ) -> Self {
+        Self::start_full(name, 2, specs, router, adjust)
+    }
+
+    /// [`Deployment::start`] with Envoy on `concurrency` worker threads.
+    pub fn start_on(name: &str, concurrency: u32, specs: Vec<SimSpec>, router: impl FnOnce(&[Sim]) -> Value) -> Self {
+        Self::start_full(name, concurrency, specs, router, |_| {})
+    }
+
+    fn start_full(
+        name: &str,
+        concurrency: u32,
+        specs: Vec<SimSpec>,
+        router: impl FnOnce(&[Sim]) -> Value,
+        adjust: impl FnOnce(&mut serde_yaml_ng::Value),
+    ) -> Self {
         let dir = scratch_dir(name);
         let sims: Vec<Sim> = specs.into_iter().map(|s| Sim::start(s, &dir)).collect();
         let router = router(&sims);
@@ -393,7 +415,7 @@ impl Deployment {
         adjust(&mut yaml);
         fs::write(&rendered, serde_yaml_ng::to_string(&yaml).unwrap_or_default())
             .unwrap_or_else(|e| panic!("cannot write envoy config: {e}"));
-        let envoy = Envoy::start(&rendered, port, admin, &dir);
+        let envoy = Envoy::start_on(&rendered, port, admin, &dir, concurrency);
         Self { sims, envoy, dir }
     }
 
