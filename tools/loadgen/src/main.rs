@@ -72,13 +72,16 @@ pub struct Args {
     /// Fixed workload: body size.
     #[arg(long, default_value_t = 4096)]
     pub body_bytes: usize,
-    /// This fraction of the requests, evenly spaced, carries `x-sgl-class: interactive`; the
-    /// report then gives each class its own summary.
+    /// This fraction of the requests, evenly spaced, is interactive and the rest batch (see
+    /// `Workload::next`); the report then gives each class its own summary.
     #[arg(long, default_value_t = 0.0)]
     pub high_fraction: f64,
     /// Goodput counts the requests completed with their first token within this many ms.
     #[arg(long)]
     pub slo_ttft_ms: Option<f64>,
+    /// The interactive requests' own TTFT SLO (default: `--slo-ttft-ms`).
+    #[arg(long)]
+    pub high_slo_ttft_ms: Option<f64>,
     /// Simulator base URLs whose cache hit rates are read after the run.
     #[arg(long, value_delimiter = ',')]
     pub sims: Vec<String>,
@@ -143,6 +146,8 @@ async fn main() {
     let elapsed = started.elapsed().as_secs_f64();
     let samples = samples.lock().await;
     let cache = measure::cache_hit_rate(&client, &args.sims).await;
+    let slo =
+        |s: &Sample| if s.class == "high" { args.high_slo_ttft_ms.or(args.slo_ttft_ms) } else { args.slo_ttft_ms };
     let report = json!({
         "label": args.label,
         "workload": format!("{:?}", args.workload),
@@ -150,11 +155,12 @@ async fn main() {
         "offered_rate": args.rate,
         "concurrency": args.rate.is_none().then_some(args.concurrency),
         "elapsed_s": elapsed,
-        "summary": measure::summarize(&samples, elapsed, args.slo_ttft_ms),
+        "summary": measure::summarize(&samples, elapsed, &slo),
         "by_class": (args.high_fraction > 0.0).then(|| {
+            let of = |class| samples.iter().filter(|s| s.class == class).cloned().collect::<Vec<_>>();
             json!({
-                "high": measure::summarize(&samples.iter().filter(|s| s.class == "high").cloned().collect::<Vec<_>>(), elapsed, args.slo_ttft_ms),
-                "low": measure::summarize(&samples.iter().filter(|s| s.class == "low").cloned().collect::<Vec<_>>(), elapsed, args.slo_ttft_ms),
+                "high": measure::summarize(&of("high"), elapsed, &slo),
+                "low": measure::summarize(&of("low"), elapsed, &slo),
             })
         }),
         "cache": cache,

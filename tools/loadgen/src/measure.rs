@@ -103,9 +103,11 @@ fn stats(mut values: Vec<f64>) -> Value {
 }
 
 /// `slo_ttft_ms`: goodput counts the completed requests whose first token came within it.
-pub fn summarize(samples: &[Sample], elapsed_s: f64, slo_ttft_ms: Option<f64>) -> Value {
+/// `slo_ttft_ms` gives each sample's TTFT SLO (none: goodput is not counted).
+pub fn summarize(samples: &[Sample], elapsed_s: f64, slo_ttft_ms: &dyn Fn(&Sample) -> Option<f64>) -> Value {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
-    let within = slo_ttft_ms.map(|slo| ok.iter().filter(|s| s.ttft_ms <= slo).count());
+    let judged = samples.iter().any(|s| slo_ttft_ms(s).is_some());
+    let within = judged.then(|| ok.iter().filter(|s| slo_ttft_ms(s).is_some_and(|slo| s.ttft_ms <= slo)).count());
     let mut by_status = std::collections::BTreeMap::<String, u64>::new();
     for s in samples.iter().filter(|s| !s.ok) {
         *by_status.entry(if s.status == 0 { "connection".to_string() } else { s.status.to_string() }).or_default() += 1;

@@ -17,7 +17,7 @@ const TURNS_PER_SESSION: usize = 6;
 pub struct Request {
     pub body: Value,
     pub headers: Vec<(String, String)>,
-    /// `high` for the requests marked interactive (`--high-fraction`), else `low`.
+    /// `high` for the requests marked interactive (`--high-fraction`), else `low` (batch).
     pub class: &'static str,
     session: Option<usize>,
 }
@@ -96,14 +96,20 @@ impl Workload {
         json!({"model": self.model, "messages": messages, "max_tokens": self.output_tokens})
     }
 
-    /// The next request; evenly spaced ones of every `1 / high_fraction` carry
-    /// `x-sgl-class: interactive`.
+    /// The next request. With `--high-fraction`, evenly spaced ones of every `1 / high_fraction`
+    /// are interactive and the others batch, each named in this router's class header and in
+    /// SMG's priority header (`x-sgl-class: interactive | batch`, `x-smg-priority: interactive |
+    /// bulk`).
     pub fn next(&mut self) -> Option<Request> {
         let mut request = self.next_body()?;
-        let n = self.sent as f64;
-        if (n * self.high_fraction).floor() != ((n - 1.0) * self.high_fraction).floor() {
-            request.class = "high";
-            request.headers.push(("x-sgl-class".into(), "interactive".into()));
+        if self.high_fraction > 0.0 {
+            let n = self.sent as f64;
+            let high = (n * self.high_fraction).floor() != ((n - 1.0) * self.high_fraction).floor();
+            let (class, ours, smg) =
+                if high { ("high", "interactive", "interactive") } else { ("low", "batch", "bulk") };
+            request.class = class;
+            request.headers.push(("x-sgl-class".into(), ours.into()));
+            request.headers.push(("x-smg-priority".into(), smg.into()));
         }
         Some(request)
     }
