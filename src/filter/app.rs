@@ -3,7 +3,6 @@
 //! decision), which a request's life calls; and the hooks that tell shared state what was
 //! dispatched and how it went.
 
-use std::cell::Cell;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -44,10 +43,8 @@ pub struct AppContext {
     indexer: Option<Arc<IndexerClient>>,
     /// The model `/generate` serves ([`RouterConfig::generate_model`]).
     generate_model: Option<String>,
-    /// This VM's requests waiting for room (spec §9).
-    waiting: WaitingRoom,
-    /// How many of this VM's requests wait for their prefix's first dispatch.
-    held: Cell<usize>,
+    /// This VM's parked requests: waiting for room (spec §9), or held for their prefix.
+    waiting: Arc<WaitingRoom>,
 }
 
 impl AppContext {
@@ -85,8 +82,7 @@ impl AppContext {
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);
         Self {
-            waiting: WaitingRoom::new(Arc::clone(&handles.host), handles.vm),
-            held: Cell::new(0),
+            waiting: Arc::new(WaitingRoom::new(Arc::clone(&handles.host), handles.vm)),
             generate_model,
             indexer,
             headers: Arc::new(ProtectedHeaders::new(upstream.name())),
@@ -110,13 +106,8 @@ impl AppContext {
         &self.handles
     }
 
-    pub fn waiting(&self) -> &WaitingRoom {
+    pub fn waiting(&self) -> &Arc<WaitingRoom> {
         &self.waiting
-    }
-
-    /// How many of this VM's requests wait for their prefix's first dispatch.
-    pub fn held(&self) -> &Cell<usize> {
-        &self.held
     }
 
     /// Milliseconds of wall-clock time, as every VM reads it.

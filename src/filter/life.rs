@@ -10,14 +10,14 @@
 //!   └─generation──▶ Buffering ──body──▶ Awaiting indexer ──answer──▶┐
 //!                       │                    (dispatched; timed out │
 //!                       │                     or failed: unavailable)│
-//!                       └──────────(no indexer call)────────────────▶ decide ──error──▶ Answered
-//!                                                  every engine full │ ▲
-//!                                       (queue configured) Queued ◀──┤ └── its turn (spec §9);
-//!                                   (full, wait over: 429) ◀─┘       │     wait over: 429
-//!             (its engine has not started on its prefix) Holding ◀──┤
-//!                                   └── every tick, at most 1 s: decided again
+//!                       └──────────(no indexer call)────────────────▶ decide ──failed──▶ Answered
+//!                                                                    │ ▲
+//!       refused, queue configured: Parked (Queue seat) ◀──────────────┤ └── a turn: room may have freed
+//!               (full, hopeless, wait over: 429) ◀─┘                  │     (selected again), or its
+//!       held: Parked (Hold seat) ◀───────────────────────────────────┤     engine started on the
+//!               (its engine has not started on its prefix; ≤ 1 s)     │     prefix, or its hold is over
 //!                                                                    │
-//!                                          plain ◀──────────────────┤
+//!                                          plain ◀──── routed ───────┤
 //!                                            │          PD: Dispatching prefill ──failed──▶ Answered
 //!                                            ▼                 │
 //!                                          Routed ◀────────────┘  (prefill answered, upstream
@@ -25,6 +25,9 @@
 //!                                            ▼
 //!                                          Ended  (from every state: the stream ended, however)
 //! ```
+//!
+//! A parked request's seat (its queue place, or one of the VM's hold slots) is a value it owns:
+//! dropping the state gives the seat back, whatever path ends the wait.
 //!
 //! A new capability (retry on another engine, abort notices, the waiting queue) is a new state and
 //! the actions it answers with.
@@ -35,11 +38,15 @@ use std::sync::Arc;
 
 use super::generation::abort::abort_request;
 use super::generation::pd::{forwarded_headers, Flow, PrefillDone};
-use super::generation::{body_step, BodyStep, Decision, Endpoint, Exchange, PrefixWait, Target, Ticket};
+use super::generation::{
+    body_step, BodyStep, Decision, Endpoint, Exchange, Outcome, PrefixWait, Target, Ticket, Verdict,
+};
 use super::indexer::IndexerCall;
 use super::metrics::error_outcome;
 use super::models::{list_models, retrieve_model};
-use super::queue::{timed_out, Capacity, QueueExit, Seat, RETRY_AFTER_S, UNKNOWN_BUDGET_TOKENS};
+use super::queue::{
+    timed_out, Capacity, Entrant, HoldSlot, QueueExit, QueuePlace, RETRY_AFTER_S, UNKNOWN_BUDGET_TOKENS,
+};
 use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
 use crate::config::QueueConfig;
@@ -87,13 +94,10 @@ pub enum Action {
     Count(Bumps),
     /// A histogram sample.
     Observe(Cow<'static, str>, u64),
-    /// The request waits in the queue: the glue wakes it with [`RequestLife::on_turn`] when the
-    /// VM's waiting room names it.
-    Wait,
-    /// The request waits at the router for its prefix: the glue offers it
-    /// [`RequestLife::on_turn`] every tick while [`RequestLife::holding`]; it is selected again
-    /// only once its engine started on the prefix, or its wait is over.
-    Hold,
+    /// The request is parked (waiting in the queue, or held for its prefix): the glue keeps its
+    /// stream where the root reaches it and calls [`RequestLife::on_turn`] whenever the VM's room
+    /// names it ([`WaitingRoom::turns`](super::queue::WaitingRoom::turns)).
+    Park,
 }
 
 /// The actions of one hook.
@@ -129,13 +133,32 @@ struct Awaiting {
     started_us: u64,
 }
 
-/// A request waiting for an engine with room (spec §9). Its ticket is parked: Envoy holds the
-/// body, and the request is prepared again from it when it is tried.
+/// A parked request: waiting in its model's queue for room (spec §9), or held for its prefix.
+/// Its ticket is parked (Envoy holds the body; the request is prepared again from it when it is
+/// tried) and its seat is given back when the seat is dropped, whatever ends the wait.
 #[derive(Debug)]
-struct Queued {
+struct Parked {
     held: Held,
     ticket: Ticket,
     seat: Seat,
+}
+
+#[derive(Debug)]
+enum Seat {
+    Queue(Box<Queued>),
+    /// Held until `wait`'s engine started on the prefix, or the request's hold is over; the slot
+    /// is kept for what its drop does.
+    Hold {
+        _slot: HoldSlot,
+        wait: PrefixWait,
+    },
+}
+
+/// A request's wait in its model's queue.
+#[derive(Debug)]
+struct Queued {
+    place: QueuePlace,
+    entrant: Entrant,
     deadline_ms: u64,
     since_ms: u64,
     /// Its engines as its last selection found them: it is selected again only when room may
@@ -143,21 +166,9 @@ struct Queued {
     seen: Capacity,
 }
 
-/// A request waiting for its engine to start on the dispatch that sent it its prefix; its ticket
-/// parked like a queued one's.
-#[derive(Debug)]
-struct Holding {
-    held: Held,
-    ticket: Ticket,
-    wait: PrefixWait,
-}
-
 /// The longest a request waits for its prefix's first dispatch before it goes regardless (an
 /// engine that never answers it holds nothing back for longer).
 pub const MAX_HOLD_MS: u64 = 1_000;
-
-/// The most requests one VM holds for their prefixes; past it, requests go at once.
-pub const MAX_HELD: usize = 1_024;
 
 /// A decision whose prefill callout is being dispatched.
 #[derive(Debug)]
@@ -192,8 +203,7 @@ enum State {
     Passing,
     Buffering(Held),
     AwaitingIndexer(Box<Awaiting>),
-    Queued(Box<Queued>),
-    Holding(Box<Holding>),
+    Parked(Box<Parked>),
     DispatchingPrefill(Box<Dispatching>),
     Routed(Box<Routed>),
     /// Answered by the filter after the body was read; whatever comes later is not ours.
@@ -305,11 +315,7 @@ impl RequestLife {
             State::Buffering(_) => {}
             State::New | State::Passing | State::Routed(_) | State::Ended => return out.push(Action::Proceed),
             // Held until the answer comes, or answered already.
-            State::AwaitingIndexer(_)
-            | State::Queued(_)
-            | State::Holding(_)
-            | State::DispatchingPrefill(_)
-            | State::Answered => return,
+            State::AwaitingIndexer(_) | State::Parked(_) | State::DispatchingPrefill(_) | State::Answered => return,
         }
         match body_step(size, end_of_stream) {
             BodyStep::Wait => return,
@@ -466,73 +472,71 @@ impl RequestLife {
     /// ahead of it could use (spec §9), and takes any other at once.
     fn decide(&mut self, app: &AppContext, held: Held, ticket: Ticket, started_us: u64, out: &mut Actions) {
         let queue = app.config().queue_for(&ticket.facts.model);
-        let mut seated = None;
+        let mut queued = None;
         if let Some(config) = queue {
-            let seat = Self::seat(app, config, &held, &ticket);
-            let reserved = match app.waiting().reserved_ahead(&seat) {
+            let entrant = Self::entrant(app, config, &held, &ticket);
+            let reserved = match app.waiting().reserved_ahead(&entrant) {
                 Ok(reserved) => reserved,
                 Err(e) => {
-                    app.count([Counter::QueueRejection(QueueExit::Unavailable, Arc::clone(&seat.class))]);
-                    let message = format!("the queue of model `{}` could not be read: {e}", seat.model);
+                    app.count([Counter::QueueRejection(QueueExit::Unavailable, Arc::clone(&entrant.class))]);
+                    let message = format!("the queue of model `{}` could not be read: {e}", entrant.model);
                     return self.fail(app, &RouteError::new(ErrorKind::QueueUnavailable, message), out);
                 }
             };
-            seated = Some((config, seat, reserved));
+            queued = Some((config, entrant, reserved));
             // A model with a queue relies on its caps: its arrivals decide on fresh counts and
             // tell theirs at once, so two VMs seldom fill one free slot twice in a burst.
             app.exchange_counts_now();
         }
-        let reserved = seated.as_ref().map(|(_, _, r)| *r).unwrap_or_default();
-        let mut outcome = app.decide(ticket, &reserved, false);
-        if let Some((ticket, wait)) = outcome.held.take() {
+        let reserved = queued.as_ref().map(|(_, _, r)| *r).unwrap_or_default();
+        let Outcome { verdict, counters } = app.decide(ticket, &reserved, false);
+        if let Verdict::Held { ticket, wait } = verdict {
             return self.hold(app, held, ticket, wait, started_us, out);
         }
         out.push(Action::Observe(Cow::Borrowed(SELECTION_US), app.monotonic_us().saturating_sub(started_us)));
-        match (outcome.result, outcome.refused, seated) {
-            (Err(_), Some(ticket), Some((config, seat, _))) => {
+        match (verdict, queued) {
+            (Verdict::Refused { ticket, .. }, Some((config, entrant, _))) => {
                 // The refusals are counted; the outcome is the wait's.
-                app.count(outcome.counters.into_iter().filter(|c| !matches!(c, Counter::Outcome(_))));
-                self.wait(app, config, held, ticket, seat, out)
+                app.count(counters.into_iter().filter(|c| !matches!(c, Counter::Outcome(_))));
+                self.wait(app, config, held, ticket, entrant, out)
             }
-            (result, _, seated) => {
-                let dispatched = result.is_ok();
-                self.conclude(app, held, outcome.counters, result, out);
-                if dispatched && seated.is_some() {
+            (verdict, queued) => {
+                let dispatched = matches!(verdict, Verdict::Routed(_));
+                self.conclude(app, held, counters, verdict, out);
+                if dispatched && queued.is_some() {
                     app.publish_counts_now();
                 }
             }
         }
     }
 
-    /// What a request of a model with a queue waits as: its class, tenant, work and engines.
-    fn seat(app: &AppContext, config: &QueueConfig, held: &Held, ticket: &Ticket) -> Seat {
+    /// What a request of a model with a queue joins it as: its class, tenant, work and engines.
+    fn entrant(app: &AppContext, config: &QueueConfig, held: &Held, ticket: &Ticket) -> Entrant {
         let facts = &ticket.facts;
         let budget = facts.output_budget.unwrap_or(UNKNOWN_BUDGET_TOKENS);
         let cost = ticket.request.input_tokens.saturating_add(budget);
         let bytes = held.body_size as u64;
-        Seat::new(config, &facts.model, &|name| held.header(name), (cost, bytes), app.engines_of(ticket))
+        Entrant::new(config, &facts.model, &|name| held.header(name), (cost, bytes), app.engines_of(ticket))
     }
 
     /// A selection's counters go; its decision is carried out, or its error answered.
-    fn conclude(
-        &mut self,
-        app: &AppContext,
-        held: Held,
-        counters: Vec<Counter>,
-        result: Result<Decision, RouteError>,
-        out: &mut Actions,
-    ) {
+    fn conclude(&mut self, app: &AppContext, held: Held, counters: Vec<Counter>, verdict: Verdict, out: &mut Actions) {
         app.count(counters);
-        match result {
-            Ok(decision) => self.apply(app, held, decision, out),
-            Err(error) => {
+        match verdict {
+            Verdict::Routed(decision) => self.apply(app, held, decision, out),
+            Verdict::Refused { error, .. } | Verdict::Failed(error) => {
                 out.push(reply(&error, vec![]));
                 self.state = State::Answered;
+            }
+            // Decided again at once: it may not wait for its prefix any longer.
+            Verdict::Held { mut ticket, .. } => {
+                ticket.request.prefix_wait_over = true;
+                self.decide(app, held, ticket, app.monotonic_us(), out)
             }
         }
     }
 
-    /// Joins the model's queue as `seat`, or is answered at once: the queue is full (for it or
+    /// Joins the model's queue as `entrant`, or is answered at once: the queue is full (for it or
     /// its tenant), its expected wait is past its class's, or the queue cannot be written (a 503:
     /// nobody skips the queue).
     fn wait(
@@ -541,29 +545,36 @@ impl RequestLife {
         config: &QueueConfig,
         held: Held,
         mut ticket: Ticket,
-        seat: Seat,
+        entrant: Entrant,
         out: &mut Actions,
     ) {
         // Selected again on its turn: it has waited enough.
         ticket.request.prefix_wait_over = true;
-        let deadline_ms = app.now_ms().saturating_add(seat.max_wait_ms);
-        match app.waiting().join(self.id, &seat, config, deadline_ms) {
-            Ok(_) => {
+        let deadline_ms = app.now_ms().saturating_add(entrant.max_wait_ms);
+        match app.waiting().join(self.id, &entrant, config, deadline_ms) {
+            Ok(place) => {
                 ticket.park();
+                let seen = app.capacity(&entrant.engines, &app.waiting().reserved(self.id));
                 let since_ms = app.now_ms();
-                let seen = app.capacity(&seat.engines, &app.waiting().reserved(self.id));
-                self.state = State::Queued(Box::new(Queued { held, ticket, seat, deadline_ms, since_ms, seen }));
-                out.push(Action::Wait);
+                let queued = Queued { place, entrant, deadline_ms, since_ms, seen };
+                self.park(held, ticket, Seat::Queue(Box::new(queued)), out);
             }
             Err(refusal) => {
-                app.count([Counter::QueueRejection(refusal.exit, Arc::clone(&seat.class))]);
+                app.count([Counter::QueueRejection(refusal.exit, Arc::clone(&entrant.class))]);
                 self.fail(app, &refusal.error, out);
             }
         }
     }
 
+    fn park(&mut self, held: Held, mut ticket: Ticket, seat: Seat, out: &mut Actions) {
+        ticket.park();
+        self.state = State::Parked(Box::new(Parked { held, ticket, seat }));
+        out.push(Action::Park);
+    }
+
     /// Waits at the router for the engine to start on its prefix's first dispatch, for at most
-    /// [`MAX_HOLD_MS`] in all, while the VM holds fewer than [`MAX_HELD`].
+    /// [`MAX_HOLD_MS`] in all, while the VM holds fewer than
+    /// [`MAX_HELD`](super::queue::MAX_HELD); else it is decided again at once, done waiting.
     fn hold(
         &mut self,
         app: &AppContext,
@@ -574,24 +585,19 @@ impl RequestLife {
         out: &mut Actions,
     ) {
         let now_ms = app.now_ms();
-        let first = self.hold_until_ms.is_none();
         let until_ms = *self.hold_until_ms.get_or_insert(now_ms.saturating_add(MAX_HOLD_MS));
-        if (first && app.held().get() >= MAX_HELD) || now_ms >= until_ms {
-            ticket.request.prefix_wait_over = true;
-            return self.decide(app, held, ticket, started_us, out);
+        match app.waiting().hold(self.id).filter(|_| now_ms < until_ms) {
+            Some(slot) => self.park(held, ticket, Seat::Hold { _slot: slot, wait }, out),
+            None => {
+                ticket.request.prefix_wait_over = true;
+                self.decide(app, held, ticket, started_us, out)
+            }
         }
-        if first {
-            app.held().set(app.held().get() + 1);
-            out.push(Action::Hold);
-        }
-        ticket.park();
-        self.state = State::Holding(Box::new(Holding { held, ticket, wait }));
     }
 
-    /// Whether the request waits for its prefix: the glue offers it a turn every tick until it
-    /// does not.
+    /// Whether the request is held for its prefix.
     pub fn holding(&self) -> bool {
-        matches!(self.state, State::Holding(_))
+        matches!(&self.state, State::Parked(p) if matches!(p.seat, Seat::Hold { .. }))
     }
 
     /// A parked ticket prepared again from the body Envoy holds (`read` reads it).
@@ -605,82 +611,97 @@ impl RequestLife {
         Ok(parked.resumed(fresh))
     }
 
-    /// A waiting request's turn, or its wait is over: it is prepared again from the body Envoy
-    /// holds (`read` reads it) and selected again, bucket-first, leaving the engines of the
-    /// requests ahead of it; it goes to its engines, waits on when every engine it may take is
-    /// still full, or is answered. A request held for its prefix is selected again once its engine
-    /// started on the prefix, or its hold is over; until then a turn costs it a lookup, no more.
+    /// A parked request's turn. A queued one whose wait is over is answered; one whose room may
+    /// have freed is prepared again from the body Envoy holds (`read` reads it) and selected again,
+    /// bucket-first, leaving the engines of the requests ahead of it: it goes, waits on, or is
+    /// answered. A held one is selected again once its engine started on the prefix, or its hold
+    /// is over. Until then a turn costs a few lookups and no selection.
     pub fn on_turn(&mut self, app: &AppContext, read: &mut dyn FnMut(usize) -> Vec<u8>, out: &mut Actions) {
-        let queued = match mem::take(&mut self.state) {
-            State::Queued(queued) => queued,
-            State::Holding(holding) => {
-                let over = self.hold_until_ms.is_some_and(|until| app.now_ms() >= until);
-                if !over && !app.prefix_started(&holding.wait.engine, holding.wait.sent_ms) {
-                    self.state = State::Holding(holding);
-                    return;
-                }
-                let Holding { held, ticket, .. } = *holding;
-                app.held().set(app.held().get().saturating_sub(1));
-                let ticket = match Self::resume(app, &held, ticket, read) {
-                    Ok(ticket) => ticket,
-                    Err(error) => return self.fail(app, &error, out),
-                };
-                self.decide(app, held, ticket, app.monotonic_us(), out);
-                if self.holding() {
-                    app.held().set(app.held().get() + 1);
-                } else {
-                    let since_ms = self.hold_until_ms.unwrap_or_default().saturating_sub(MAX_HOLD_MS);
-                    out.push(Action::Observe(Cow::Borrowed(PREFIX_HOLD_MS), app.now_ms().saturating_sub(since_ms)));
-                }
-                return;
-            }
+        let parked = match mem::take(&mut self.state) {
+            State::Parked(parked) => parked,
             other => {
                 self.state = other;
                 return;
             }
         };
-        let class = Arc::clone(&queued.seat.class);
+        match &parked.seat {
+            Seat::Hold { wait, .. } => {
+                let over = self.hold_until_ms.is_some_and(|until| app.now_ms() >= until);
+                if !over && !app.prefix_started(&wait.engine, wait.sent_ms) {
+                    self.state = State::Parked(parked);
+                    return;
+                }
+                // Its slot is given back: it is held again only if it must wait on.
+                let Parked { held, ticket, .. } = *parked;
+                let ticket = match Self::resume(app, &held, ticket, read) {
+                    Ok(ticket) => ticket,
+                    Err(error) => return self.fail(app, &error, out),
+                };
+                self.decide(app, held, ticket, app.monotonic_us(), out);
+                if !self.holding() {
+                    let since_ms = self.hold_until_ms.unwrap_or_default().saturating_sub(MAX_HOLD_MS);
+                    out.push(Action::Observe(Cow::Borrowed(PREFIX_HOLD_MS), app.now_ms().saturating_sub(since_ms)));
+                }
+            }
+            Seat::Queue(_) => self.queue_turn(app, parked, read, out),
+        }
+    }
+
+    fn queue_turn(
+        &mut self,
+        app: &AppContext,
+        parked: Box<Parked>,
+        read: &mut dyn FnMut(usize) -> Vec<u8>,
+        out: &mut Actions,
+    ) {
+        let Seat::Queue(queued) = &parked.seat else { return };
         if app.now_ms() >= queued.deadline_ms {
-            app.waiting().leave(self.id, false);
+            let (model, class) = (&queued.entrant.model, Arc::clone(&queued.entrant.class));
+            let error = timed_out(model, queued.entrant.max_wait_ms);
             app.count([Counter::QueueRejection(QueueExit::Timeout, class)]);
-            return self.fail(app, &timed_out(&queued.seat.model, queued.seat.max_wait_ms), out);
+            // Its place goes with it.
+            drop(parked);
+            return self.fail(app, &error, out);
         }
         // The other VMs' counts as of at most one sync period ago.
         Self::sync(app, out);
         let reserved = app.waiting().reserved(self.id);
-        if !app.capacity(&queued.seat.engines, &reserved).freed_since(&queued.seen) {
-            self.state = State::Queued(queued);
+        if !app.capacity(&queued.entrant.engines, &reserved).freed_since(&queued.seen) {
+            self.state = State::Parked(parked);
             return;
         }
-        let Queued { held, ticket, seat, deadline_ms, since_ms, .. } = *queued;
+        let Parked { held, ticket, seat } = *parked;
+        let Seat::Queue(mut queued) = seat else { return };
         let ticket = match Self::resume(app, &held, ticket, read) {
             Ok(ticket) => ticket,
-            Err(error) => {
-                app.waiting().leave(self.id, false);
-                return self.fail(app, &error, out);
-            }
+            Err(error) => return self.fail(app, &error, out),
         };
         // Room freed on another VM shows in its counts.
         app.exchange_counts_now();
         let started_us = app.monotonic_us();
-        let outcome = app.decide(ticket, &reserved, true);
-        match (outcome.result, outcome.refused) {
-            (Err(_), Some(mut ticket)) => {
-                // Still full: it keeps its place, and its refusals are not counted again.
+        let Outcome { verdict, counters } = app.decide(ticket, &reserved, true);
+        match verdict {
+            // Still no room: it keeps its place, and its refusals are not counted again.
+            Verdict::Refused { ticket, .. } | Verdict::Held { ticket, .. } => {
+                queued.seen = app.capacity(&queued.entrant.engines, &reserved);
+                let seat = Seat::Queue(queued);
+                let mut ticket = ticket;
                 ticket.park();
-                let seen = app.capacity(&seat.engines, &reserved);
-                self.state = State::Queued(Box::new(Queued { held, ticket, seat, deadline_ms, since_ms, seen }));
+                self.state = State::Parked(Box::new(Parked { held, ticket, seat }));
             }
-            (result, _) => {
-                app.waiting().leave(self.id, result.is_ok());
+            verdict => {
+                let Queued { place, entrant, since_ms, .. } = *queued;
+                let dispatched = matches!(verdict, Verdict::Routed(_));
+                if dispatched {
+                    place.served();
+                    let waited = app.now_ms().saturating_sub(since_ms);
+                    out.push(Action::Observe(Cow::Owned(queue_wait_ms(&entrant.class)), waited));
+                } else {
+                    drop(place);
+                }
                 let selection_us = app.monotonic_us().saturating_sub(started_us);
                 out.push(Action::Observe(Cow::Borrowed(SELECTION_US), selection_us));
-                let dispatched = result.is_ok();
-                if dispatched {
-                    let waited = app.now_ms().saturating_sub(since_ms);
-                    out.push(Action::Observe(Cow::Owned(queue_wait_ms(&class)), waited));
-                }
-                self.conclude(app, held, outcome.counters, result, out);
+                self.conclude(app, held, counters, verdict, out);
                 if dispatched {
                     app.publish_counts_now();
                 }
@@ -827,12 +848,12 @@ impl RequestLife {
                 }
                 app.carry_out(routed.exchange.on_end());
             }
-            // The client went away while waiting: its place goes at once.
-            State::Queued(queued) => {
-                app.waiting().leave(self.id, false);
-                app.count([Counter::QueueRejection(QueueExit::ClientGone, queued.seat.class)]);
+            // The client went away while parked: its seat goes with it, at once.
+            State::Parked(parked) => {
+                if let Seat::Queue(queued) = &parked.seat {
+                    app.count([Counter::QueueRejection(QueueExit::ClientGone, Arc::clone(&queued.entrant.class))]);
+                }
             }
-            State::Holding(_) => app.held().set(app.held().get().saturating_sub(1)),
             _ => {}
         }
         // Whatever was held (an indexer slot, in-flight slots) is given back by now.
@@ -1574,7 +1595,7 @@ mod tests {
         memory.advance_ms(5);
 
         let (mut life, actions) = send_body(&app, 2, &sibling);
-        assert_eq!(actions, [Action::Hold], "held, not sent");
+        assert_eq!(actions, [Action::Park], "held, not sent");
         assert!(life.holding());
         let mut out = Vec::new();
         life.on_turn(&app, &mut |_| sibling.clone(), &mut out);
@@ -1587,7 +1608,7 @@ mod tests {
         let actions = visible(&mut out);
         assert_eq!((upstream(&actions), actions.last()), (Some(cluster.as_str()), Some(&Action::Proceed)));
         assert!(!life.holding());
-        assert_eq!(app.held().get(), 0);
+        assert_eq!(app.waiting().held_count(), 0);
     }
 
     /// A thousand requests held for one prefix cost a lookup each while its engine has not started
@@ -1600,7 +1621,7 @@ mod tests {
         let mut lives: Vec<RequestLife> = (0..1000)
             .map(|i| {
                 let (life, actions) = send_body(&app, 10 + i, &sibling);
-                assert_eq!(actions, [Action::Hold]);
+                assert_eq!(actions, [Action::Park]);
                 life
             })
             .collect();
@@ -1623,7 +1644,7 @@ mod tests {
             life.on_turn(&app, &mut read, &mut out);
             routed += usize::from(upstream(&visible(&mut out)) == Some(cluster.as_str()));
         }
-        assert_eq!((reads, routed, app.held().get()), (1000, 1000, 0));
+        assert_eq!((reads, routed, app.waiting().held_count()), (1000, 1000, 0));
     }
 
     /// An engine that never answers the work ahead holds nothing back for long, and a client that
@@ -1634,12 +1655,12 @@ mod tests {
         let memory = Arc::new(MemoryHost::default());
         let (app, _ahead, cluster, sibling) = prefix_behind_work(&memory);
         let (mut gone, actions) = send_body(&app, 2, &sibling);
-        assert_eq!(actions, [Action::Hold]);
+        assert_eq!(actions, [Action::Park]);
         let (mut life, actions) = send_body(&app, 3, &sibling);
-        assert_eq!((actions, app.held().get()), (vec![Action::Hold], 2));
+        assert_eq!((actions, app.waiting().held_count()), (vec![Action::Park], 2));
         let mut out = Vec::new();
         gone.on_end(&app, &mut out);
-        assert_eq!(app.held().get(), 1, "its client left");
+        assert_eq!(app.waiting().held_count(), 1, "its client left");
 
         memory.advance_ms(MAX_HOLD_MS - 1);
         life.on_turn(&app, &mut |_| sibling.clone(), &mut out);
@@ -1649,7 +1670,7 @@ mod tests {
         let actions = visible(&mut out);
         assert_eq!(actions.last(), Some(&Action::Proceed), "goes regardless");
         assert!(upstream(&actions).is_some_and(|other| other != cluster), "{actions:?}");
-        assert_eq!(app.held().get(), 0);
+        assert_eq!(app.waiting().held_count(), 0);
     }
 
     /// One engine that takes one request at a time, and a queue; `memory` is the VMs' host.
@@ -1703,9 +1724,9 @@ mod tests {
         let (mut first, out) = send_as(&app, 1, &[]);
         assert!(out.contains(&Action::Proceed));
         let (mut second, mut out) = send_as(&app, 2, &[]);
-        assert_eq!(visible(&mut out), [Action::Wait], "no answer: it waits");
+        assert_eq!(visible(&mut out), [Action::Park], "no answer: it waits");
         assert!(app.waiting().holds(2));
-        let State::Queued(queued) = &second.state else { panic!("{:?}", second.state) };
+        let State::Parked(queued) = &second.state else { panic!("{:?}", second.state) };
         assert!(queued.ticket.body.is_none() && queued.ticket.request.prompt_text.is_none());
         assert_eq!(app.waiting().depth("m"), (1, CHAT.len() as u64));
         assert_eq!(app.waiting().turns(), [2]);
@@ -1796,7 +1817,7 @@ mod tests {
         exchange();
         // Room: an arrival on VM 2 does not take it from those waiting.
         let (_late, mut out) = send_as(&vm2, 3, &[("x-sgl-class", "batch")]);
-        assert_eq!(visible(&mut out), [Action::Wait]);
+        assert_eq!(visible(&mut out), [Action::Park]);
         // One engine: only the first of those waiting for it is tried, the high one, on VM 2.
         assert_eq!(vm2.waiting().turns(), [2]);
         assert!(vm1.waiting().turns().is_empty());
@@ -1837,7 +1858,7 @@ mod tests {
         let (_l1, out) = send_with(&app, 1, &[], long.as_bytes());
         assert_eq!(upstream(&out), Some("sgl_L"));
         let (mut l2, mut out) = send_with(&app, 2, &[], long.as_bytes());
-        assert_eq!(visible(&mut out), [Action::Wait], "the long engine is busy");
+        assert_eq!(visible(&mut out), [Action::Park], "the long engine is busy");
         let (mut s1, out) = send_as(&app, 3, &[]);
         assert_eq!(upstream(&out), Some("sgl_S1"), "a short engine with room: at once");
         let (_s2, out) = send_as(&app, 4, &[]);
@@ -1845,7 +1866,7 @@ mod tests {
         let (mut s3, mut out) = send_as(&app, 5, &[]);
         assert_eq!(
             visible(&mut out),
-            [Action::Wait],
+            [Action::Park],
             "both short engines busy, and the long one is the long request's"
         );
         assert_eq!(app.waiting().turns(), [2, 5], "each may be tried: the short one on the short engines");

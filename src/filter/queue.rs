@@ -1,10 +1,11 @@
-//! A filter VM's side of flow control (spec §9): which of its streams wait in which model's queue
-//! and until when, the class and tenant a request waits as, and the answers a wait ends in. The
-//! order across VMs is the shared queue's ([`wait_queue`]); this room only remembers its own
-//! streams, which the glue wakes when [`WaitingRoom::turns`] names them, and the engines each must
-//! leave to the requests ahead of it.
+//! A filter VM's parked requests: those waiting in a model's queue (spec §9) and those held for
+//! their prefix. It remembers which of its streams wait where and until when, the class and tenant
+//! a request queues as, the engines each must leave to the requests ahead of it, and the answers a
+//! wait ends in; the glue wakes the streams [`WaitingRoom::turns`] names. The order across VMs is
+//! the shared queue's ([`wait_queue`]). A request's seat here is a value it owns ([`QueuePlace`],
+//! [`HoldSlot`]): dropping it gives the seat back, however the request's life ends.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use super::{ErrorKind, RouteError};
@@ -22,10 +23,10 @@ pub const RETRY_AFTER_S: u64 = 1;
 /// its tenant's fair share counts.
 pub const UNKNOWN_BUDGET_TOKENS: u64 = 1_024;
 
-/// What a request waits as: its model's queue, its class and tenant, its work and the engines it
+/// What a request joins its model's queue as: its class and tenant, its work and the engines it
 /// could use.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Seat {
+pub struct Entrant {
     pub model: Arc<str>,
     /// The class's name, for the stats; its priority and longest wait.
     pub class: Arc<str>,
@@ -37,7 +38,7 @@ pub struct Seat {
     pub engines: EngineSet,
 }
 
-impl Seat {
+impl Entrant {
     /// The class `config.class_header` names (else the default one) and the tenant
     /// `config.tenant_header` names, read with `header`.
     pub fn new(
@@ -125,14 +126,56 @@ struct Waiter {
     reserved: EngineSet,
 }
 
-/// This VM's waiting streams, by their context id.
+/// The most requests one VM holds for their prefixes; past it, requests go at once.
+pub const MAX_HELD: usize = 1_024;
+
+/// This VM's parked streams, by their context id.
 #[derive(Debug)]
 pub struct WaitingRoom {
     host: Arc<dyn Host>,
     vm: u64,
     waiting: Mutex<BTreeMap<u32, Waiter>>,
+    /// Streams held for their prefix: offered a turn on every tick.
+    held: Mutex<BTreeSet<u32>>,
     /// Leaves the shared queue did not take (its cas contended), tried again on each turn.
     unleft: Mutex<Vec<(Arc<str>, u32, bool)>>,
+}
+
+/// A request's place in its model's queue. Dropped, it leaves the queue: as served when
+/// [`QueuePlace::served`] consumed it, else as a request that left unserved.
+#[derive(Debug)]
+pub struct QueuePlace {
+    room: Arc<WaitingRoom>,
+    id: u32,
+    served: bool,
+}
+
+impl QueuePlace {
+    /// The request was dispatched: its place goes, and its start tag is its class's virtual time.
+    pub fn served(mut self) {
+        self.served = true;
+    }
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        self.room.leave(self.id, self.served);
+    }
+}
+
+/// One of the VM's [`MAX_HELD`] slots for requests held for their prefix; dropped, it is free.
+#[derive(Debug)]
+pub struct HoldSlot {
+    room: Arc<WaitingRoom>,
+    id: u32,
+}
+
+impl Drop for HoldSlot {
+    fn drop(&mut self) {
+        if let Ok(mut held) = self.room.held.lock() {
+            held.remove(&self.id);
+        }
+    }
 }
 
 pub fn timed_out(model: &str, max_wait_ms: u64) -> RouteError {
@@ -142,8 +185,8 @@ pub fn timed_out(model: &str, max_wait_ms: u64) -> RouteError {
     )
 }
 
-fn refusal(seat: &Seat, error: JoinError) -> Refusal {
-    let (model, class) = (&seat.model, &seat.class);
+fn refusal(entrant: &Entrant, error: JoinError) -> Refusal {
+    let (model, class) = (&entrant.model, &entrant.class);
     let (exit, kind, message) = match error {
         JoinError::Full(n) => (
             QueueExit::Full,
@@ -161,7 +204,7 @@ fn refusal(seat: &Seat, error: JoinError) -> Refusal {
             format!(
                 "{ahead} requests ahead wait for the same engines of model `{model}`: an expected wait of \
                  {expected_ms} ms, past class `{class}`'s {} ms",
-                seat.max_wait_ms
+                entrant.max_wait_ms
             ),
         ),
         JoinError::Host(e) => (
@@ -175,27 +218,45 @@ fn refusal(seat: &Seat, error: JoinError) -> Refusal {
 
 impl WaitingRoom {
     pub fn new(host: Arc<dyn Host>, vm: u64) -> Self {
-        Self { host, vm, waiting: Mutex::default(), unleft: Mutex::default() }
+        Self { host, vm, waiting: Mutex::default(), held: Mutex::default(), unleft: Mutex::default() }
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut BTreeMap<u32, Waiter>) -> R) -> Option<R> {
         self.waiting.lock().ok().map(|mut w| f(&mut w))
     }
 
+    /// Whether no stream is parked here.
     pub fn is_empty(&self) -> bool {
-        self.with(|w| w.is_empty()).unwrap_or(true)
+        self.with(|w| w.is_empty()).unwrap_or(true) && self.held_count() == 0
     }
 
-    /// Whether stream `id` waits here.
+    /// Whether stream `id` is parked here (queued or held).
     pub fn holds(&self, id: u32) -> bool {
-        self.with(|w| w.contains_key(&id)).unwrap_or(false)
+        self.with(|w| w.contains_key(&id)).unwrap_or(false) || self.held.lock().is_ok_and(|h| h.contains(&id))
     }
 
-    /// The engines an arrival seated as `seat` must leave to the requests already waiting ahead of
-    /// it (none when none waits). A queue that cannot be read is an error: nobody skips it.
-    pub fn reserved_ahead(&self, seat: &Seat) -> Result<EngineSet, HostError> {
-        let board = wait_queue::read(self.host.as_ref(), &seat.model)?;
-        Ok(if board.is_empty() { EngineSet::default() } else { board.reserved_ahead(&seat.joining(self.vm, 0, 0)) })
+    /// How many streams are held for their prefix.
+    pub fn held_count(&self) -> usize {
+        self.held.lock().map(|h| h.len()).unwrap_or(0)
+    }
+
+    /// A slot for stream `id` to be held for its prefix, while fewer than [`MAX_HELD`] are.
+    pub fn hold(self: &Arc<Self>, id: u32) -> Option<HoldSlot> {
+        let mut held = self.held.lock().ok()?;
+        if held.len() >= MAX_HELD {
+            return None;
+        }
+        held.insert(id);
+        Some(HoldSlot { room: Arc::clone(self), id })
+    }
+
+    /// The engines an arrival that would join as `entrant` must leave to the requests already
+    /// waiting ahead of it (none when none waits). A queue that cannot be read is an error: nobody
+    /// skips it.
+    pub fn reserved_ahead(&self, entrant: &Entrant) -> Result<EngineSet, HostError> {
+        let board = wait_queue::read(self.host.as_ref(), &entrant.model)?;
+        let joining = entrant.joining(self.vm, 0, 0);
+        Ok(if board.is_empty() { EngineSet::default() } else { board.reserved_ahead(&joining) })
     }
 
     /// Requests of `model` waiting on every VM, and the bytes of their bodies.
@@ -203,20 +264,27 @@ impl WaitingRoom {
         wait_queue::read(self.host.as_ref(), model).map(|board| (board.len(), board.bytes())).unwrap_or_default()
     }
 
-    /// Stream `id` joins its seat's queue until `deadline_ms`; whether it may be tried at once.
-    pub fn join(&self, id: u32, seat: &Seat, config: &QueueConfig, deadline_ms: u64) -> Result<bool, Refusal> {
+    /// Stream `id` joins its model's queue as `entrant` until `deadline_ms`: its place.
+    pub fn join(
+        self: &Arc<Self>,
+        id: u32,
+        entrant: &Entrant,
+        config: &QueueConfig,
+        deadline_ms: u64,
+    ) -> Result<QueuePlace, Refusal> {
         let limits =
             Limits { max_requests: config.max_requests as usize, max_per_tenant: config.max_per_tenant as usize };
-        let board = wait_queue::join(self.host.as_ref(), &seat.model, &seat.joining(self.vm, id, deadline_ms), limits)
-            .map_err(|e| refusal(seat, e))?;
+        let joining = entrant.joining(self.vm, id, deadline_ms);
+        let board =
+            wait_queue::join(self.host.as_ref(), &entrant.model, &joining, limits).map_err(|e| refusal(entrant, e))?;
         let reserved = board.reserved_for(self.vm, id).unwrap_or_default();
-        let turn = !seat.engines.is_subset(&reserved);
-        let waiter = Waiter { model: Arc::clone(&seat.model), deadline_ms, reserved };
+        let waiter = Waiter { model: Arc::clone(&entrant.model), deadline_ms, reserved };
         self.with(|w| w.insert(id, waiter));
-        Ok(turn)
+        Ok(QueuePlace { room: Arc::clone(self), id, served: false })
     }
 
-    /// Stream `id` leaves its queue: `served` when it was dispatched.
+    /// Stream `id` leaves its queue: `served` when it was dispatched. A stream the glue lost
+    /// without its end being heard leaves this way too.
     pub fn leave(&self, id: u32, served: bool) {
         let Some(Some(waiter)) = self.with(|w| w.remove(&id)) else { return };
         self.leave_shared(waiter.model, id, served);
@@ -237,8 +305,9 @@ impl WaitingRoom {
         self.with(|w| w.get(&id).map(|x| x.reserved)).flatten().unwrap_or_default()
     }
 
-    /// The streams to wake now, in order: those whose wait is over, then those that may be tried
-    /// (each with the engines left to those ahead of it, read by [`WaitingRoom::reserved`]).
+    /// The streams to wake now, in order: those whose wait is over, those that may be tried (each
+    /// with the engines left to those ahead of it, read by [`WaitingRoom::reserved`]), then those
+    /// held for their prefix (each looks whether its engine started on it).
     pub fn turns(&self) -> Vec<u32> {
         let retries = self.unleft.lock().map(|mut u| std::mem::take(&mut *u)).unwrap_or_default();
         for (model, id, served) in retries {
@@ -267,6 +336,9 @@ impl WaitingRoom {
                 Err(e) => log::warn!("queue of model `{model}` not read: {e}"),
             }
         }
+        if let Ok(held) = self.held.lock() {
+            due.extend(held.iter().copied());
+        }
         due
     }
 }
@@ -283,7 +355,7 @@ mod tests {
         .unwrap()
     }
 
-    fn seat(class: &'static str, tenant: &'static str, slots: &[usize]) -> Seat {
+    fn entrant(class: &'static str, tenant: &'static str, slots: &[usize]) -> Entrant {
         let header = move |name: &str| match name {
             "x-sgl-class" => Some(class.to_string()),
             "x-sgl-tenant" => Some(tenant.to_string()),
@@ -291,36 +363,56 @@ mod tests {
         };
         let mut engines = EngineSet::default();
         slots.iter().for_each(|s| engines.insert(*s));
-        Seat::new(&config(8), "m", &header, (10, 100), engines)
+        Entrant::new(&config(8), "m", &header, (10, 100), engines)
     }
 
     #[test]
     fn a_class_is_the_operators_and_an_unknown_one_is_the_default() {
-        let s = seat("interactive", "t", &[0]);
+        let s = entrant("interactive", "t", &[0]);
         assert_eq!((&*s.class, s.priority, s.max_wait_ms), ("interactive", 10, 50));
-        let s = seat("gold", "t", &[0]);
+        let s = entrant("gold", "t", &[0]);
         assert_eq!((&*s.class, s.priority, s.max_wait_ms), ("standard", 0, 100));
     }
 
     #[test]
     fn rooms_of_two_vms_share_one_order_and_each_wakes_its_own() {
         let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
-        let (a, b) = (WaitingRoom::new(Arc::clone(&host), 1), WaitingRoom::new(Arc::clone(&host), 2));
+        let (a, b) =
+            (Arc::new(WaitingRoom::new(Arc::clone(&host), 1)), Arc::new(WaitingRoom::new(Arc::clone(&host), 2)));
         let deadline = host.now_ms() + 100;
-        assert!(a.join(10, &seat("standard", "t", &[0]), &config(8), deadline).unwrap());
-        assert!(b.join(20, &seat("interactive", "t", &[0]), &config(8), deadline).unwrap());
+        let _ten = a.join(10, &entrant("standard", "t", &[0]), &config(8), deadline).unwrap();
+        let twenty = b.join(20, &entrant("interactive", "t", &[0]), &config(8), deadline).unwrap();
         assert_eq!(b.turns(), [20], "the higher class goes first, on the other VM");
         assert!(a.turns().is_empty(), "VM 1's request competes with the one ahead of it");
         // A request for other engines is tried beside them.
-        assert!(a.join(11, &seat("standard", "u", &[1]), &config(8), deadline).unwrap());
+        let _eleven = a.join(11, &entrant("standard", "u", &[1]), &config(8), deadline).unwrap();
         assert_eq!(a.turns(), [11]);
         let mut zero = EngineSet::default();
         zero.insert(0);
         assert_eq!(a.reserved(11), zero);
         assert_eq!(a.depth("m"), (3, 300));
-        b.leave(20, true);
+        twenty.served();
         assert_eq!(a.turns(), [10, 11]);
         assert!(b.is_empty() && !a.is_empty());
+    }
+
+    /// However a parked request's life ends, dropping its seat gives the seat back.
+    #[test]
+    fn a_dropped_seat_leaves_the_queue_and_frees_the_hold() {
+        let host: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let room = Arc::new(WaitingRoom::new(Arc::clone(&host), 1));
+        let place = room.join(1, &entrant("standard", "t", &[0]), &config(8), host.now_ms() + 100).unwrap();
+        let slot = room.hold(2).unwrap();
+        assert!(room.holds(1) && room.holds(2) && room.held_count() == 1);
+        assert_eq!(room.turns(), [1, 2], "the queued one's turn, and the held one every tick");
+        drop(place);
+        drop(slot);
+        assert!(room.is_empty() && !room.holds(1) && !room.holds(2));
+        assert_eq!(room.depth("m"), (0, 0));
+        let slots: Vec<HoldSlot> = (0..MAX_HELD as u32).map(|id| room.hold(id).unwrap()).collect();
+        assert!(room.hold(MAX_HELD as u32).is_none(), "at most MAX_HELD held");
+        drop(slots);
+        assert_eq!(room.held_count(), 0);
     }
 
     #[test]
@@ -350,11 +442,11 @@ mod tests {
     fn a_full_queue_is_a_429_and_an_expired_wait_is_due_first() {
         let memory = Arc::new(MemoryHost::default());
         let host: Arc<dyn Host> = Arc::clone(&memory) as Arc<dyn Host>;
-        let room = WaitingRoom::new(host, 1);
+        let room = Arc::new(WaitingRoom::new(host, 1));
         let deadline = memory.now_ms() + 100;
-        room.join(1, &seat("standard", "a", &[0]), &config(2), deadline).unwrap();
-        room.join(2, &seat("standard", "b", &[0]), &config(2), deadline + 1).unwrap();
-        let full = room.join(3, &seat("standard", "c", &[0]), &config(2), deadline).unwrap_err();
+        let _one = room.join(1, &entrant("standard", "a", &[0]), &config(2), deadline).unwrap();
+        let _two = room.join(2, &entrant("standard", "b", &[0]), &config(2), deadline + 1).unwrap();
+        let full = room.join(3, &entrant("standard", "c", &[0]), &config(2), deadline).unwrap_err();
         assert_eq!((full.exit, full.error.status(), full.error.kind), (QueueExit::Full, 429, ErrorKind::QueueFull));
         assert_eq!(room.turns(), [1], "one engine: only the first may be tried");
         memory.advance_ms(101);

@@ -1,10 +1,10 @@
 //! The HTTP filter: each hook hands its event to the request's life in the core
 //! ([`RequestLife`]) and carries out the actions it gets back with host calls. It holds one state
-//! value per request and decides nothing. A stream waiting in the queue is woken by its root's
-//! tick ([`Waiters`]), which calls it under its own context id.
+//! value per request and decides nothing. A parked stream is woken by its root's tick
+//! ([`Waiters`]) when the core's room names it, under its own context id.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
@@ -17,15 +17,13 @@ use super::stats::Stats;
 use crate::filter::life::{Action, Actions, RequestLife};
 use crate::filter::AppContext;
 
-/// How often a VM with waiting streams looks for their turns.
+/// How often a VM with parked streams looks for their turns.
 pub const QUEUE_TICK: Duration = Duration::from_millis(2);
 
-/// A VM's waiting streams by context id, for its root to wake, those of them held for their
-/// prefix (woken every tick), and whether its root ticks fast.
+/// A VM's parked streams by context id, for its root to wake, and whether its root ticks fast.
 #[derive(Default)]
 pub struct WaitingStreams {
     pub streams: RefCell<BTreeMap<u32, Weak<RefCell<Stream>>>>,
-    pub holding: RefCell<BTreeSet<u32>>,
     pub fast_tick: Cell<bool>,
 }
 
@@ -89,19 +87,8 @@ impl Stream {
         }
     }
 
-    /// Whether it still waits for its prefix.
-    pub fn holding(&self) -> bool {
-        self.life.holding()
-    }
-
-    /// Joins the VM's held streams, woken every tick.
-    fn hold(&self) {
-        self.waiters.holding.borrow_mut().insert(self.context_id);
-        self.wait();
-    }
-
-    /// Joins the VM's waiting streams; the root looks for turns at once and then every tick.
-    fn wait(&self) {
+    /// Joins the VM's parked streams; the root looks for turns at once and then every tick.
+    fn park(&self) {
         self.waiters.streams.borrow_mut().insert(self.context_id, self.this.clone());
         if !self.waiters.fast_tick.replace(true) {
             if hostcalls::set_effective_context(self.root_id).is_ok() {
@@ -179,8 +166,7 @@ impl Stream {
                 }
                 Action::Count(bumps) => self.stats.count_all(&bumps),
                 Action::Observe(name, value) => self.stats.histogram(&name, value),
-                Action::Wait => self.wait(),
-                Action::Hold => self.hold(),
+                Action::Park => self.park(),
             }
             i += 1;
         }

@@ -95,7 +95,7 @@ impl Root {
 }
 
 impl Root {
-    /// Wakes the waiting streams whose turn it is, each under its own context id, then again for
+    /// Wakes the parked streams the room names, each under its own context id, then again for
     /// streams whose turn came as others left; each stream at most once per tick.
     fn take_turns(&self, app: &Rc<RefCell<AppContext>>) {
         let mut woken = Vec::new();
@@ -115,29 +115,8 @@ impl Root {
             }
         }
         let _ = hostcalls::set_effective_context(self.context_id);
-        let waiting = app.borrow();
-        let holding = self.waiters.holding.borrow();
-        self.waiters.streams.borrow_mut().retain(|id, _| waiting.waiting().holds(*id) || holding.contains(id));
-    }
-
-    /// Wakes every stream held for its prefix, under its own context id: each is decided again.
-    fn wake_held(&self) {
-        let held: Vec<u32> = self.waiters.holding.borrow().iter().copied().collect();
-        for id in held {
-            let stream = self.waiters.streams.borrow().get(&id).and_then(std::rc::Weak::upgrade);
-            let still = match stream {
-                Some(stream) if hostcalls::set_effective_context(id).is_ok() => {
-                    stream.borrow_mut().on_turn();
-                    let still = stream.borrow().holding();
-                    still
-                }
-                _ => false,
-            };
-            if !still {
-                self.waiters.holding.borrow_mut().remove(&id);
-            }
-        }
-        let _ = hostcalls::set_effective_context(self.context_id);
+        let app = app.borrow();
+        self.waiters.streams.borrow_mut().retain(|id, _| app.waiting().holds(*id));
     }
 
     /// Each queued model's depth and bytes waiting, counted over every VM.
@@ -226,12 +205,8 @@ impl RootContext for Root {
         }
         if let Some(app) = self.filter.clone() {
             let now = ProxyHost.now_ms();
-            let held = !self.waiters.holding.borrow().is_empty();
-            if held {
-                self.wake_held();
-            }
             let waiting = !app.borrow().waiting().is_empty();
-            if waiting || held {
+            if waiting {
                 self.take_turns(&app);
             }
             // A VM that had streams waiting reports the depth they left too.
@@ -241,7 +216,7 @@ impl RootContext for Root {
                 self.last_depths_ms.set(now);
                 self.export_depths(&app);
             }
-            let still_waiting = !app.borrow().waiting().is_empty() || !self.waiters.holding.borrow().is_empty();
+            let still_waiting = !app.borrow().waiting().is_empty();
             if still_waiting != self.waiters.fast_tick.replace(still_waiting) {
                 let period = if still_waiting { QUEUE_TICK } else { Duration::from_millis(vm_registry::HEARTBEAT_MS) };
                 self.set_tick_period(period);

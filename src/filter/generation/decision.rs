@@ -178,19 +178,27 @@ impl Ticket {
     }
 }
 
-/// A finished selection and the counters it bumps.
+/// A finished selection: how it ended, and the counters it bumps.
 #[derive(Debug)]
 pub struct Outcome {
-    pub result: Result<Decision, RouteError>,
+    pub verdict: Verdict,
     pub counters: Vec<Counter>,
-    /// The ticket back when every compatible engine's admission refused it: it may wait for room
-    /// and be decided again (spec §9).
-    pub refused: Option<Ticket>,
-    /// The ticket back when the engine picked for its cached prefix has not started on the
-    /// dispatch that sent it there, and the request may still wait for it (its
-    /// [`BucketRequest::prefix_wait_over`] unset): it waits at the router and is decided again.
-    /// `result` then only says so.
-    pub held: Option<(Ticket, PrefixWait)>,
+}
+
+/// How a selection ended.
+#[derive(Debug)]
+pub enum Verdict {
+    /// A complete decision to carry out.
+    Routed(Decision),
+    /// Every engine it may take refused it (or, for a request that may wait, none had room): it
+    /// may wait for room and be selected again (spec §9); `error` is its answer should it not.
+    Refused { ticket: Ticket, error: RouteError },
+    /// The engine picked for its cached prefix has not started on the dispatch that sent it
+    /// there, and the request may still wait for it ([`BucketRequest::prefix_wait_over`] unset):
+    /// it waits at the router and is selected again. Nothing was counted.
+    Held { ticket: Ticket, wait: PrefixWait },
+    /// Answered with this error.
+    Failed(RouteError),
 }
 
 /// What a request held for its prefix waits for: `engine` to start on the dispatch that sent it
@@ -227,18 +235,20 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             let counters = metrics::failed(&failure).into_iter().chain(lookup_counter).collect();
             let error = failure.to_route_error();
             let exhausted = matches!(failure, SelectionFailure::Exhausted(_));
-            let refused =
-                (error.kind == ErrorKind::AdmissionRejected || (wiring.exhausted_waits && exhausted)).then_some(ticket);
-            return Outcome { counters, result: Err(error), refused, held: None };
+            let verdict = if error.kind == ErrorKind::AdmissionRejected || (wiring.exhausted_waits && exhausted) {
+                Verdict::Refused { ticket, error }
+            } else {
+                Verdict::Failed(error)
+            };
+            return Outcome { verdict, counters };
         }
     };
     // Sent now, it would be scheduled with the dispatch that brings its prefix, and prefill the
     // prefix again: it waits for the engine to start on that one. Nothing was counted yet.
     let (BucketPick::Plain(pick) | BucketPick::Pd { prefill: pick, .. }) = &selection.pick;
     if let (false, Some(sent_ms)) = (ticket.request.prefix_wait_over, pick.prefix_unstarted) {
-        let error = RouteError::new(ErrorKind::AdmissionRejected, "waiting for its engine to start on its prefix");
         let wait = PrefixWait { engine: pick.engine.id.clone(), sent_ms };
-        return Outcome { counters: Vec::new(), result: Err(error), refused: None, held: Some((ticket, wait)) };
+        return Outcome { verdict: Verdict::Held { ticket, wait }, counters: Vec::new() };
     }
     let mut counters = metrics::selected(&selection);
     counters.extend(lookup_counter);
@@ -331,9 +341,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     };
     Outcome {
         counters,
-        refused: None,
-        held: None,
-        result: Ok(Decision {
+        verdict: Verdict::Routed(Decision {
             prefill_tokens: selection.input_tokens.saturating_sub(cached_tokens),
             stream: ticket.facts.stream,
             bucket_id: selection.bucket_id,

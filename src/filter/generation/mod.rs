@@ -14,7 +14,7 @@ mod prepare;
 pub mod request_id;
 
 pub use bucket_loop::{select, Selection, SelectionFailure};
-pub use decision::{decide, Decision, Outcome, PrefixWait, Target, Ticket, Wiring};
+pub use decision::{decide, Decision, Outcome, PrefixWait, Target, Ticket, Verdict, Wiring};
 pub use endpoint::{prepare_endpoint, token_id_text, Endpoint, Prepared, Prompts};
 pub use exchange::{Effects, Exchange};
 pub use prepare::{prepare, prepare_chat, ClientRid, RequestFacts, MAX_PROMPT_BYTES, MAX_RID_BYTES};
