@@ -53,7 +53,7 @@ use crate::config::QueueConfig;
 use crate::host::CalloutRequest;
 use crate::policies::pressure::PREFILL_QUANTUM_TOKENS;
 use crate::protocol::indexer::IndexerAnswer;
-use crate::registry::Role;
+use crate::registry::{EngineSet, Role};
 use crate::state::load_monitor::InflightGuard;
 use crate::wiring::counters::{
     queue_wait_ms, Bumps, Counter, IndexerEvent, INDEXER_WAIT_US, PREFIX_HOLD_MS, SELECTION_US,
@@ -474,7 +474,7 @@ impl RequestLife {
         let queue = app.config().queue_for(&ticket.facts.model);
         let mut queued = None;
         if let Some(config) = queue {
-            let entrant = Self::entrant(app, config, &held, &ticket);
+            let entrant = Self::entrant(config, &held, &ticket);
             let reserved = match app.waiting().reserved_ahead(&entrant) {
                 Ok(reserved) => reserved,
                 Err(e) => {
@@ -510,13 +510,15 @@ impl RequestLife {
         }
     }
 
-    /// What a request of a model with a queue joins it as: its class, tenant, work and engines.
-    fn entrant(app: &AppContext, config: &QueueConfig, held: &Held, ticket: &Ticket) -> Entrant {
+    /// What a request of a model with a queue would join it as: its class, tenant and work. The
+    /// engines it could use are named only when it joins ([`RequestLife::wait`]): an arrival that
+    /// goes at once never needs them.
+    fn entrant(config: &QueueConfig, held: &Held, ticket: &Ticket) -> Entrant {
         let facts = &ticket.facts;
         let budget = facts.output_budget.unwrap_or(UNKNOWN_BUDGET_TOKENS);
         let cost = ticket.request.input_tokens.saturating_add(budget);
         let bytes = held.body_size as u64;
-        Entrant::new(config, &facts.model, &|name| held.header(name), (cost, bytes), app.engines_of(ticket))
+        Entrant::new(config, &facts.model, &|name| held.header(name), (cost, bytes), EngineSet::default())
     }
 
     /// A selection's counters go; its decision is carried out, or its error answered.
@@ -545,15 +547,15 @@ impl RequestLife {
         config: &QueueConfig,
         held: Held,
         mut ticket: Ticket,
-        entrant: Entrant,
+        mut entrant: Entrant,
         out: &mut Actions,
     ) {
         // Selected again on its turn: it has waited enough.
         ticket.request.prefix_wait_over = true;
+        entrant.engines = app.engines_of(&ticket);
         let deadline_ms = app.now_ms().saturating_add(entrant.max_wait_ms);
         match app.waiting().join(self.id, &entrant, config, deadline_ms) {
             Ok(place) => {
-                ticket.park();
                 let seen = app.capacity(&entrant.engines, &app.waiting().reserved(self.id));
                 let since_ms = app.now_ms();
                 let queued = Queued { place, entrant, deadline_ms, since_ms, seen };
