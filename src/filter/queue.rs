@@ -14,7 +14,7 @@ use crate::host::{Host, HostError};
 use crate::registry::EngineSet;
 use crate::state::load_monitor::LoadSnapshot;
 pub use crate::state::wait_queue::QueueExit;
-use crate::state::wait_queue::{self, fingerprint, JoinError, Joining, Limits};
+use crate::state::wait_queue::{self, fingerprint, tenant, JoinError, Joining, Limits};
 
 /// What a 429 from the queue tells a client to wait before it tries again, in seconds.
 pub const RETRY_AFTER_S: u64 = 1;
@@ -55,7 +55,7 @@ impl Entrant {
             class: Arc::from(class),
             priority: settings.priority,
             max_wait_ms: config.max_wait_ms(&settings),
-            tenant: fingerprint(&header(&config.tenant_header).unwrap_or_default()),
+            tenant: tenant(header(&config.tenant_header).as_deref()),
             cost,
             bytes,
             engines,

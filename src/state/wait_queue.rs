@@ -57,6 +57,19 @@ pub fn fingerprint(value: &str) -> u64 {
     (h >> 64) as u64 ^ h as u64
 }
 
+/// The tenant of requests that name none: one tenant for fair share, and not capped by
+/// `max_per_tenant` (the queue's own limit bounds them).
+pub const NO_TENANT: u64 = 0;
+
+/// A tenant header's value as the queue keeps it: absent or empty is [`NO_TENANT`].
+pub fn tenant(value: Option<&str>) -> u64 {
+    match value.map(str::trim).filter(|v| !v.is_empty()) {
+        // A value that hashes to the reserved one is moved off it.
+        Some(v) => fingerprint(v).max(1),
+        None => NO_TENANT,
+    }
+}
+
 /// Why a request left the queue, or never joined it, without being dispatched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum QueueExit {
@@ -309,9 +322,12 @@ impl Board {
         if self.entries.len() >= limits.max_requests {
             return Err(JoinError::Full(self.entries.len()));
         }
-        let of_tenant = self.entries.iter().filter(|e| e.class == joining.class && e.tenant == joining.tenant).count();
-        if of_tenant >= limits.max_per_tenant {
-            return Err(JoinError::TenantFull(of_tenant));
+        if joining.tenant != NO_TENANT {
+            let of_tenant =
+                self.entries.iter().filter(|e| e.class == joining.class && e.tenant == joining.tenant).count();
+            if of_tenant >= limits.max_per_tenant {
+                return Err(JoinError::TenantFull(of_tenant));
+            }
         }
         let tag = self.start_tag(joining);
         let ahead = self.ahead(joining.priority, tag).filter(|e| e.engines.intersects(&joining.engines)).count();
@@ -511,15 +527,23 @@ mod tests {
     fn full_queues_and_tenants_refuse_and_leave_the_queue_unchanged() {
         let host = MemoryHost::default();
         let limits = Limits { max_requests: 3, max_per_tenant: 2 };
-        join(&host, "m", &joining(7, 1, 0, 0), limits).unwrap();
-        join(&host, "m", &joining(7, 2, 0, 0), limits).unwrap();
-        assert_eq!(join(&host, "m", &joining(7, 3, 0, 0), limits), Err(JoinError::TenantFull(2)));
+        join(&host, "m", &joining(7, 1, 0, 5), limits).unwrap();
+        join(&host, "m", &joining(7, 2, 0, 5), limits).unwrap();
+        assert_eq!(join(&host, "m", &joining(7, 3, 0, 5), limits), Err(JoinError::TenantFull(2)));
         join(&host, "m", &joining(7, 3, 0, 9), limits).unwrap();
         assert_eq!(join(&host, "m", &joining(7, 4, 0, 8), limits), Err(JoinError::Full(3)));
         assert_eq!(ids(&read(&host, "m").unwrap()), [1, 2, 3]);
+        // Requests that name no tenant are bounded by the queue only.
+        let host = MemoryHost::default();
+        let limits = Limits { max_requests: 4, max_per_tenant: 1 };
+        for id in 0..4 {
+            join(&host, "m", &joining(7, id, 0, NO_TENANT), limits).unwrap();
+        }
+        assert_eq!(join(&host, "m", &joining(7, 9, 0, NO_TENANT), limits), Err(JoinError::Full(4)));
+        assert_eq!((tenant(None), tenant(Some(" ")), tenant(Some("a"))), (NO_TENANT, NO_TENANT, fingerprint("a")));
         // Joining twice keeps one place.
-        join(&host, "m", &joining(7, 1, 0, 0), limits).unwrap();
-        assert_eq!(read(&host, "m").unwrap().len(), 3);
+        join(&host, "m", &joining(7, 1, 0, NO_TENANT), limits).unwrap();
+        assert_eq!(read(&host, "m").unwrap().len(), 4);
     }
 
     /// A long request waits for engine 2; short ones could use 0, 1 and 2. Only engine 2 is
