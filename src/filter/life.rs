@@ -45,7 +45,7 @@ use super::indexer::IndexerCall;
 use super::metrics::error_outcome;
 use super::models::{list_models, retrieve_model};
 use super::queue::{
-    timed_out, Capacity, Entrant, HoldSlot, QueueExit, QueuePlace, RETRY_AFTER_S, UNKNOWN_BUDGET_TOKENS,
+    displaced, timed_out, Capacity, Entrant, HoldSlot, QueueExit, QueuePlace, RETRY_AFTER_S, UNKNOWN_BUDGET_TOKENS,
 };
 use super::routes::{method_not_allowed, route, Route};
 use super::{AppContext, ErrorKind, RouteError};
@@ -657,6 +657,12 @@ impl RequestLife {
         out: &mut Actions,
     ) {
         let Seat::Queue(queued) = &parked.seat else { return };
+        if app.waiting().displaced(self.id) {
+            let error = displaced(&queued.entrant.model);
+            app.count([Counter::QueueRejection(QueueExit::Displaced, Arc::clone(&queued.entrant.class))]);
+            drop(parked);
+            return self.fail(app, &error, out);
+        }
         if app.now_ms() >= queued.deadline_ms {
             let (model, class) = (&queued.entrant.model, Arc::clone(&queued.entrant.class));
             let error = timed_out(model, queued.entrant.max_wait_ms);
@@ -1914,6 +1920,29 @@ mod tests {
             }
         }
         assert_eq!((served, app.waiting().depth("m")), (4, (0, 0)));
+    }
+
+    /// A full queue of batch requests gives its last place to an interactive arrival; the batch
+    /// request that lost it is answered 429 on its next turn, and counted as displaced.
+    #[test]
+    fn an_interactive_arrival_takes_the_last_place_of_a_full_queue_of_batch_requests() {
+        let memory = Arc::new(MemoryHost::default());
+        let app = queued_app(&memory, 1, 2);
+        let (_first, _) = send_as(&app, 1, &[]);
+        let (_b1, _) = send_as(&app, 2, &[("x-sgl-class", "batch")]);
+        let (mut b2, _) = send_as(&app, 3, &[("x-sgl-class", "batch")]);
+        let (_late, out) = send_as(&app, 4, &[("x-sgl-class", "batch")]);
+        assert_eq!(reply_of(&out).map(|(status, _, _)| status), Some(429), "the same class: full");
+        let (_interactive, mut out) = send_as(&app, 5, &[("x-sgl-class", "interactive")]);
+        assert_eq!(visible(&mut out), [Action::Park], "it waits, first in line");
+        assert!(app.waiting().turns().contains(&3), "the displaced one is woken");
+        let mut out = Vec::new();
+        b2.on_turn(&app, &mut |_| CHAT.to_vec(), &mut out);
+        let (status, body, _) = reply_of(&out).unwrap();
+        assert_eq!((status, body["error"]["type"].as_str()), (429, Some("queue_full")), "{body}");
+        assert_eq!(app.waiting().depth("m").0, 2);
+        let counted = app.sync_shared_now();
+        assert_eq!(counted.get(&Counter::QueueRejection(QueueExit::Displaced, "batch".into())), Some(&1));
     }
 
     /// The shared queue that cannot be written is a 503, never a way around it.

@@ -124,6 +124,9 @@ struct Waiter {
     deadline_ms: u64,
     /// The engines the requests ahead of it could use, as of its last turn.
     reserved: EngineSet,
+    /// Its place is gone from the shared queue before its wait was over: a request that outranked
+    /// it took it in a full queue.
+    displaced: bool,
 }
 
 /// The most requests one VM holds for their prefixes; past it, requests go at once.
@@ -178,6 +181,14 @@ impl Drop for HoldSlot {
     }
 }
 
+/// The answer of a request whose place a request that outranked it took in a full queue.
+pub fn displaced(model: &str) -> RouteError {
+    RouteError::new(
+        ErrorKind::QueueFull,
+        format!("the queue of model `{model}` filled up with requests that go before this one"),
+    )
+}
+
 pub fn timed_out(model: &str, max_wait_ms: u64) -> RouteError {
     RouteError::new(
         ErrorKind::QueueTimeout,
@@ -191,7 +202,7 @@ fn refusal(entrant: &Entrant, error: JoinError) -> Refusal {
         JoinError::Full(n) => (
             QueueExit::Full,
             ErrorKind::QueueFull,
-            format!("every engine of model `{model}` is full and {n} requests wait already, the queue's limit"),
+            format!("every engine of model `{model}` is full and {n} requests of its class or higher wait already, the queue's limit"),
         ),
         JoinError::TenantFull(n) => (
             QueueExit::TenantFull,
@@ -278,7 +289,7 @@ impl WaitingRoom {
         let board =
             wait_queue::join(self.host.as_ref(), &entrant.model, &joining, limits).map_err(|e| refusal(entrant, e))?;
         let reserved = board.reserved_for(self.vm, id).unwrap_or_default();
-        let waiter = Waiter { model: Arc::clone(&entrant.model), deadline_ms, reserved };
+        let waiter = Waiter { model: Arc::clone(&entrant.model), deadline_ms, reserved, displaced: false };
         self.with(|w| w.insert(id, waiter));
         Ok(QueuePlace { room: Arc::clone(self), id, served: false })
     }
@@ -298,6 +309,11 @@ impl WaitingRoom {
                 unleft.push((model, id, served));
             }
         }
+    }
+
+    /// Whether stream `id`'s place was taken by a request that outranked it in a full queue.
+    pub fn displaced(&self, id: u32) -> bool {
+        self.with(|w| w.get(&id).is_some_and(|x| x.displaced)).unwrap_or(false)
     }
 
     /// The engines stream `id` must leave to the requests ahead of it, as of its last turn.
@@ -332,6 +348,20 @@ impl WaitingRoom {
                             due.push(turn.id);
                         }
                     }
+                    let placed = |id: u32| board.entries().iter().any(|e| e.vm == self.vm && e.id == id);
+                    let gone: Vec<u32> = self
+                        .with(|w| {
+                            let mut gone = Vec::new();
+                            for (id, x) in w.iter_mut().filter(|(_, x)| x.model == model) {
+                                if !placed(*id) {
+                                    x.displaced = true;
+                                    gone.push(*id);
+                                }
+                            }
+                            gone
+                        })
+                        .unwrap_or_default();
+                    due.extend(gone.into_iter().filter(|id| !due.contains(id)).collect::<Vec<_>>());
                 }
                 Err(e) => log::warn!("queue of model `{model}` not read: {e}"),
             }

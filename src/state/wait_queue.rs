@@ -82,6 +82,8 @@ pub enum QueueExit {
     ClientGone,
     /// The shared queue could not be written (its cas contended past every retry).
     Unavailable,
+    /// A request that outranked it took its place in a full queue.
+    Displaced,
 }
 
 impl QueueExit {
@@ -93,6 +95,7 @@ impl QueueExit {
             QueueExit::Predicted => "predicted",
             QueueExit::ClientGone => "client_gone",
             QueueExit::Unavailable => "unavailable",
+            QueueExit::Displaced => "displaced",
         }
     }
 }
@@ -319,9 +322,6 @@ impl Board {
         if self.entries.iter().any(|e| e.vm == joining.vm && e.id == joining.id) {
             return Ok(());
         }
-        if self.entries.len() >= limits.max_requests {
-            return Err(JoinError::Full(self.entries.len()));
-        }
         if joining.tenant != NO_TENANT {
             let of_tenant =
                 self.entries.iter().filter(|e| e.class == joining.class && e.tenant == joining.tenant).count();
@@ -330,6 +330,17 @@ impl Board {
             }
         }
         let tag = self.start_tag(joining);
+        if self.entries.len() >= limits.max_requests {
+            // A full queue keeps its best requests: one that outranks the last gives it way.
+            let outranks = self
+                .entries
+                .last()
+                .is_some_and(|last| (Reverse(joining.priority), tag) < (Reverse(last.priority), last.tag));
+            if !outranks {
+                return Err(JoinError::Full(self.entries.len()));
+            }
+            self.entries.pop();
+        }
         let ahead = self.ahead(joining.priority, tag).filter(|e| e.engines.intersects(&joining.engines)).count();
         if let Some(expected_ms) = self.expected_wait_ms(ahead, &joining.engines, now_ms) {
             if expected_ms > joining.max_wait_ms {
@@ -544,6 +555,19 @@ mod tests {
         // Joining twice keeps one place.
         join(&host, "m", &joining(7, 1, 0, NO_TENANT), limits).unwrap();
         assert_eq!(read(&host, "m").unwrap().len(), 4);
+    }
+
+    /// A full queue keeps its best requests: an arrival that outranks the last takes its place; one
+    /// that does not is refused.
+    #[test]
+    fn a_full_queue_gives_the_last_place_to_a_request_that_outranks_it() {
+        let host = MemoryHost::default();
+        let limits = Limits { max_requests: 2, max_per_tenant: 64 };
+        join(&host, "m", &joining(7, 1, -10, 1), limits).unwrap();
+        join(&host, "m", &joining(7, 2, -10, 2), limits).unwrap();
+        assert_eq!(join(&host, "m", &joining(7, 3, -10, 3), limits), Err(JoinError::Full(2)), "the same class");
+        join(&host, "m", &joining(7, 4, 10, 4), limits).unwrap();
+        assert_eq!(ids(&read(&host, "m").unwrap()), [4, 1], "the last batch request gave way");
     }
 
     /// A long request waits for engine 2; short ones could use 0, 1 and 2. Only engine 2 is
