@@ -30,6 +30,18 @@ fn queued(name: &str, token_delay_ms: u64, cap: u64, queue: Value) -> Deployment
     })
 }
 
+/// One engine that takes one request at a time, a queue, and Envoy on one worker thread.
+fn one_engine(name: &str, specs: Vec<SimSpec>, queue: Value) -> Deployment {
+    Deployment::start_on(name, 1, specs, |sims| {
+        let mut router = plain_router(sims);
+        router["load"] = json!({"source": "none"});
+        router["queue"] = queue;
+        router["models"]["demo-model"]["buckets"][0]["groups"]["plain"]["policy"] =
+            json!({"type": "round_robin", "admission": {"max_inflight_requests": 1}});
+        router
+    })
+}
+
 /// `n` requests at once, each on its own connection with its own headers; each reply and how long
 /// it took, in the order given.
 fn burst(d: &Deployment, requests: Vec<(Value, Vec<(String, String)>)>) -> Vec<(Reply, Duration)> {
@@ -285,14 +297,7 @@ fn classes_are_served_in_priority_order_and_an_unknown_class_is_the_default() {
     let queue = json!({"max_requests": 64, "max_wait_ms": 20000,
         "classes": {"interactive": {"priority": 10}, "standard": {}, "batch": {"priority": -10}}});
     let specs = vec![SimSpec { token_delay_ms: 20, ..SimSpec::plain("A") }];
-    let d = Deployment::start_on("queue_classes", 1, specs, |sims| {
-        let mut router = plain_router(sims);
-        router["load"] = json!({"source": "none"});
-        router["queue"] = queue;
-        router["models"]["demo-model"]["buckets"][0]["groups"]["plain"]["policy"] =
-            json!({"type": "round_robin", "admission": {"max_inflight_requests": 1}});
-        router
-    });
+    let d = one_engine("queue_classes", specs, queue);
     let as_class =
         |class: &str, i: usize| (chat_body(&format!("{class} {i}"), 10, false), vec![header("x-sgl-class", class)]);
     // The first holds the engine about 800 ms, while the others all arrive.
@@ -341,14 +346,7 @@ fn a_tenant_value_made_up_per_request_gains_nothing_over_an_honest_tenant() {
 fn a_request_that_cannot_be_served_within_its_class_wait_is_refused_at_once() {
     let queue = json!({"max_requests": 64, "max_wait_ms": 1000});
     let specs = vec![SimSpec { token_delay_ms: 20, ..SimSpec::plain("A") }];
-    let d = Deployment::start_on("queue_predicted", 1, specs, |sims| {
-        let mut router = plain_router(sims);
-        router["load"] = json!({"source": "none"});
-        router["queue"] = queue;
-        router["models"]["demo-model"]["buckets"][0]["groups"]["plain"]["policy"] =
-            json!({"type": "round_robin", "admission": {"max_inflight_requests": 1}});
-        router
-    });
+    let d = one_engine("queue_predicted", specs, queue);
     let requests = (0..40).map(|i| (chat_body(&format!("request {i}"), 20, false), vec![])).collect();
     let replies = staggered(&d, requests, Duration::from_millis(60));
     let predicted: Vec<&Reply> =
@@ -378,14 +376,7 @@ fn a_queue_full_of_the_largest_bodies_leaves_the_vm_alive_and_serving() {
         extra: vec!["--prefill-tps".into(), "1e12".into()],
         ..SimSpec::plain("A")
     }];
-    let d = Deployment::start_on("queue_bytes", 1, specs, |sims| {
-        let mut router = plain_router(sims);
-        router["load"] = json!({"source": "none"});
-        router["queue"] = queue;
-        router["models"]["demo-model"]["buckets"][0]["groups"]["plain"]["policy"] =
-            json!({"type": "round_robin", "admission": {"max_inflight_requests": 1}});
-        router
-    });
+    let d = one_engine("queue_bytes", specs, queue);
     // Just under the 32 MiB limit with the JSON around it, encoded once.
     let big = Arc::new(chat_body(&"y".repeat(32 * 1024 * 1024 - 200), 2, false).to_string().into_bytes());
     let url = d.envoy.url("/v1/chat/completions");
