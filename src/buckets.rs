@@ -205,14 +205,14 @@ impl Bucket {
         in_range && self.max_context.is_none_or(|ctx| needed <= ctx)
     }
 
-    /// Every live engine of this bucket's groups, of every stage: the capacity a request that
+    /// This bucket's groups, of every stage: their candidates are the capacity a request that
     /// fits it could use.
-    pub fn engines(&self, live: &LiveEngines, model: &str) -> Vec<Arc<Engine>> {
-        let groups: Vec<&EngineGroup> = match &self.groups {
-            BucketGroups::Plain(group) => vec![group],
-            BucketGroups::Pd { prefill, decode } => vec![prefill, decode],
+    pub fn groups(&self) -> impl Iterator<Item = &EngineGroup> {
+        let (first, second) = match &self.groups {
+            BucketGroups::Plain(group) => (group, None),
+            BucketGroups::Pd { prefill, decode } => (prefill, Some(decode)),
         };
-        groups.into_iter().flat_map(|g| g.candidates(live, model).iter().cloned().collect::<Vec<_>>()).collect()
+        std::iter::once(first).chain(second)
     }
 
     /// Picks every engine this bucket needs. A PD bucket picks prefill then decode; a decode

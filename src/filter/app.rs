@@ -329,8 +329,11 @@ impl AppContext {
         let live = self.registry.live();
         let request = &ticket.request;
         let buckets = ticket.resolver.resolve(request.input_tokens, request.expected_peak_tokens).unwrap_or_default();
-        let engines: Vec<_> = buckets.iter().flat_map(|b| b.engines(&live, &request.model)).collect();
-        live.places(&engines)
+        let mut set = EngineSet::default();
+        for group in buckets.iter().flat_map(|b| b.groups()) {
+            set.union(&live.places(group.candidates(&live, &request.model).iter()));
+        }
+        set
     }
 
     /// What the `engines` of a waiting request not `reserved` for those ahead of it look like now
