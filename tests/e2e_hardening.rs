@@ -98,3 +98,68 @@ fn a_pd_prefill_carries_the_clients_authorization_and_request_id_as_decode_does(
         (d.envoy.metric("sgl_router_requests_total{outcome=\"routed\"}")? == 1.0).then_some(())
     });
 }
+
+/// Envoy's router obeys `x-envoy-*` request headers (timeouts, retries, hedging, stat names) from
+/// whoever sends them, as far as the listener trusts them. On the router's routes a client's are
+/// all removed: each one sent with a value that would show, and none shows.
+#[test]
+fn a_clients_envoy_headers_change_nothing_on_the_routers_routes() {
+    let d = Deployment::start("envoy_headers", vec![SimSpec { token_delay_ms: 20, ..SimSpec::plain("A") }], |sims| {
+        let mut router = plain_router(sims);
+        router["retry"] = json!({"attempts": 0});
+        router
+    });
+    d.wait_for_service(1);
+    // A request takes ~8 × 20 ms: any of these obeyed cuts it short.
+    let cut_short = [
+        ("x-envoy-upstream-rq-timeout-ms", "1"),
+        ("x-envoy-upstream-rq-per-try-timeout-ms", "1"),
+        ("x-envoy-upstream-stream-duration-ms", "1"),
+        ("x-envoy-expected-rq-timeout-ms", "1"),
+        ("x-envoy-hedge-on-per-try-timeout", "true"),
+        ("x-envoy-upstream-rq-timeout-alt-response", "204"),
+        ("x-envoy-upstream-alt-stat-name", "hostile_stat"),
+        ("x-envoy-original-dst-host", "127.0.0.1:1"),
+    ];
+    // Envoy trusts a request's `x-envoy-*` headers when it reads as internal: an RFC 1918 address
+    // in `x-forwarded-for` is all it takes on a listener without `use_remote_address`.
+    let internal = ("x-forwarded-for", "10.1.2.3");
+    for (name, value) in cut_short {
+        let r = d.chat_with_headers(&chat_body("take your time", 8, false), &[(name, value), internal]);
+        assert_eq!((r.status, r.engine()), (200, "A".to_string()), "{name}: {value}: {}", r.body);
+        assert_eq!(r.json()["usage"]["completion_tokens"], 8, "{name}: the whole answer");
+    }
+    // Together, as a client that wants every timeout short would send them.
+    let all: Vec<(&str, &str)> = cut_short.iter().copied().chain([internal]).collect();
+    let r = d.chat_with_headers(&chat_body("all at once", 8, true), &all);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("[DONE]"), "the whole stream: {}", r.body);
+    let stats = d.envoy.admin("/stats");
+    assert!(!stats.contains("hostile_stat"), "a client names no stat");
+    // An engine failing: no client header makes Envoy retry it.
+    d.sim("A").control(json!({"chat": {"status": 503}}));
+    let retry = [
+        [("x-envoy-retry-on", "5xx,retriable-status-codes,reset"), ("x-envoy-max-retries", "3")],
+        [("x-envoy-retry-grpc-on", "unavailable,cancelled"), ("x-envoy-max-retries", "3")],
+        [("x-envoy-retriable-status-codes", "503"), ("x-envoy-retry-on", "retriable-status-codes")],
+        [("x-envoy-retriable-header-names", "content-type"), ("x-envoy-retry-on", "retriable-headers")],
+    ];
+    for headers in &retry {
+        let headers: Vec<(&str, &str)> = headers.iter().copied().chain([internal]).collect();
+        let r = d.chat_with_headers(&chat_body("fail once", 4, false), &headers);
+        assert_eq!(r.status, 503, "{headers:?}: {}", r.body);
+    }
+    let retried = d.envoy.admin("/stats?filter=upstream_rq_retry$");
+    assert!(retried.lines().all(|l| l.trim_end().ends_with(": 0")), "no retry on a client's word: {retried}");
+    // And the engine saw none of the client's values.
+    let recent = d.sim("A").state()["recent"].clone();
+    let seen: Vec<(String, String)> = recent
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|r| serde_json::from_value::<Vec<(String, String)>>(r["headers"].clone()).unwrap_or_default())
+        .collect();
+    for (name, value) in cut_short.iter().chain(retry.iter().flatten()) {
+        assert!(!seen.iter().any(|(k, v)| k == name && v == value), "{name}: {value} reached the engine");
+    }
+}

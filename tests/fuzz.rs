@@ -193,6 +193,26 @@ fn endpoint_body() -> impl Strategy<Value = (Endpoint, Vec<u8>)> {
     })
 }
 
+/// A valid chat body's text with one raw member put in among its own: the members no JSON tree
+/// holds (`1e400`), a `rid` of any type or spelling, several copies of what the filter sets.
+fn raw_chat_body() -> impl Strategy<Value = Vec<u8>> {
+    let raw = prop_oneof![
+        Just(r#""x": 1e400"#.to_string()),
+        Just(r#""x": -1e-400"#.to_string()),
+        Just(r#""rid": null"#.to_string()),
+        Just(r#""r\u0069d": ["a", 1]"#.to_string()),
+        Just(r#""routed_dp_rank": 1e999, "routed_dp_rank": "s""#.to_string()),
+        Just(r#""bootstrap_room" : {"a": [1e400]}"#.to_string()),
+        (prop::sample::select(KEYS), json_value()).prop_map(|(k, v)| format!("{}:{v}", Value::from(k))),
+    ];
+    (raw, 0usize..3, "[ \t\n]{0,2}").prop_map(|(member, at, space)| {
+        let parts = [r#""model": "demo""#, r#""messages": [{"role": "user", "content": "hi"}]"#, r#""max_tokens": 8"#];
+        let mut members: Vec<String> = parts.iter().map(|p| p.to_string()).collect();
+        members.insert(at, member);
+        format!("{space}{{{}}}{space}", members.join(&format!(",{space}"))).into_bytes()
+    })
+}
+
 fn bytes() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![prop::collection::vec(any::<u8>(), 0..256), json_value().prop_map(|v| v.to_string().into_bytes()),]
 }
@@ -281,6 +301,26 @@ proptest! {
 
     #[test]
     #[ignore = "scripts/fuzz"]
+    fn a_body_the_filter_accepts_is_edited_and_keeps_its_facts(body in prop_oneof![raw_chat_body(), chat_body(), bytes()]) {
+        use sgl_envoy_router::filter::generation::body_edit::{with_members, Member};
+        let Ok((facts, _)) = prepare_chat(&body, 4, true) else { return Ok(()) };
+        let set = [
+            Member::new("rid", &json!("sgl-0")),
+            Member::new("routed_dp_rank", &json!(1)),
+            Member::new("bootstrap_room", &json!([1, 2])),
+        ];
+        let edited = with_members(&body, &set);
+        prop_assert!(edited.is_ok(), "{:?}: {}", edited, String::from_utf8_lossy(&body));
+        let edited = edited.unwrap();
+        let again = prepare_chat(&edited, 4, true);
+        prop_assert!(again.is_ok(), "{}", String::from_utf8_lossy(&edited));
+        prop_assert_eq!(again.unwrap().0, facts);
+        // Every copy is the filter's already: editing again changes nothing.
+        prop_assert_eq!(with_members(&edited, &set).unwrap(), edited.clone());
+    }
+
+    #[test]
+    #[ignore = "scripts/fuzz"]
     fn the_completions_and_generate_parsers_never_panic_and_keep_their_limits(
         (endpoint, body) in prop_oneof![endpoint_body(), (prop::sample::select(vec![Endpoint::Completions, Endpoint::Generate]), bytes())]
     ) {
@@ -362,5 +402,9 @@ fn the_generators_reach_past_the_first_check() {
         })
         .count();
     assert!(endpoints > 50, "only {endpoints} of 500 generated completions and generate bodies parse");
+    let raw = (0..500)
+        .filter(|_| prepare_chat(&raw_chat_body().new_tree(&mut runner).unwrap().current(), 4, false).is_ok())
+        .count();
+    assert!(raw > 200, "only {raw} of 500 generated raw chat bodies parse");
     let _ = Map::<String, Value>::new();
 }

@@ -6,14 +6,14 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::generation::request_id::{request_id, REQUEST_ID_HEADER};
+use super::generation::request_id::RequestId;
 use super::generation::{self, Effects, Endpoint, Outcome, Prepared, Ticket, Wiring};
 use super::headers::ProtectedHeaders;
 use super::indexer::IndexerClient;
 use super::queue::{Capacity, EngineRoom, WaitingRoom};
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
-use crate::config::{GroupsConfig, RouterConfig};
+use crate::config::RouterConfig;
 use crate::policies::pressure::{pending_prefill, prefill_rate, slot_wait_ms};
 use crate::registry::{Availability, EngineRegistry, EngineSet};
 use crate::state::availability::SharedAvailability;
@@ -34,9 +34,6 @@ pub struct AppContext {
     upstream: UpstreamHeader,
     /// Models with a cache-aware group: their prompts feed the prefix index.
     prefix_models: HashSet<String>,
-    /// Models with a PD bucket or an engine of several data-parallel ranks: their requests keep a
-    /// copy of the body for the rewrite (bootstrap fields, `routed_dp_rank`).
-    rewriting_models: HashSet<String>,
     /// Shared with each request's filter context, which reads it while calling the host.
     headers: Arc<ProtectedHeaders>,
     /// The indexer, when `prefix_index` is configured; asked only for models with a tokenizer.
@@ -52,15 +49,6 @@ impl AppContext {
     pub fn new(config: RouterConfig, handles: StateHandles) -> Self {
         let resolvers = build_resolvers(&config, &handles);
         let prefix_models = prefix_budgets(&config).0.into_keys().collect();
-        let rewriting_models = config
-            .models
-            .iter()
-            .filter(|(name, m)| {
-                m.buckets.iter().any(|b| matches!(b.groups, GroupsConfig::Pd(_)))
-                    || config.workers.iter().any(|w| &w.model == *name && w.dp_size > 1)
-            })
-            .map(|(name, _)| name.clone())
-            .collect();
         let breakers = config
             .circuit_breaker
             .as_ref()
@@ -94,7 +82,6 @@ impl AppContext {
             breakers,
             upstream,
             prefix_models,
-            rewriting_models,
         }
     }
 
@@ -298,11 +285,8 @@ impl AppContext {
             routing_key: key(&model.routing_key_header),
             prefix_wait_over: false,
         };
-        let rid = request_id(&facts.client_rid, header(REQUEST_ID_HEADER).as_deref(), self.handles.random.as_ref());
-        // Kept only where it may be rewritten: the id goes in, or a PD or rank pick rewrites it.
-        let rewrites = rid.as_ref().is_some_and(|r| r.injected) || self.rewriting_models.contains(&facts.model);
-        let body = rewrites.then_some(body);
-        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body, rid, indexer_call })
+        let rid = RequestId::draw(self.handles.random.as_ref());
+        Ok(Ticket { endpoint, facts, request, resolver: Arc::clone(resolver), body: Some(body), rid, indexer_call })
     }
 
     /// Selects engines for a prepared request and makes its decision, leaving the `reserved`

@@ -35,7 +35,21 @@ impl ProtectedHeaders {
     pub fn stripped(&self) -> &[String] {
         &self.stripped
     }
+
+    /// Whether a request header named `name` goes: a routing header on every request, and on a
+    /// generation request every `x-envoy-*` header too. Envoy's router obeys a dozen of those from
+    /// whoever sends them (timeouts, retries, hedging, stat names, the original destination), and
+    /// which it trusts from a client rests on the listener's settings: on the router's routes only
+    /// the filter sets them.
+    pub fn strips(&self, name: &str, generation: bool) -> bool {
+        let envoys = name.len() > ENVOY_PREFIX.len()
+            && name.as_bytes()[..ENVOY_PREFIX.len()].eq_ignore_ascii_case(ENVOY_PREFIX.as_bytes());
+        (generation && envoys) || self.stripped.iter().any(|h| h.eq_ignore_ascii_case(name))
+    }
 }
+
+/// Envoy's own request headers.
+const ENVOY_PREFIX: &str = "x-envoy-";
 
 #[cfg(test)]
 mod tests {
@@ -48,5 +62,17 @@ mod tests {
         assert!(h.stripped().iter().any(|s| s == "x-my-upstream"));
         assert!(h.stripped().iter().any(|s| s == "x-sgl-cluster"));
         assert_eq!(ProtectedHeaders::new("x-sgl-cluster").stripped().len(), ROUTING_HEADERS.len());
+    }
+
+    #[test]
+    fn envoys_headers_go_from_generation_requests_only() {
+        let h = ProtectedHeaders::new("x-sgl-cluster");
+        for name in ["x-envoy-upstream-rq-timeout-ms", "X-Envoy-Hedge-On-Per-Try-Timeout", "x-envoy-original-dst-host"]
+        {
+            assert!(h.strips(name, true), "{name}");
+            assert!(!h.strips(name, false), "{name}: another route's, left to the operator");
+        }
+        assert!(h.strips("x-envoy-max-retries", false), "a routing header goes from every request");
+        assert!(!h.strips("x-envoy-", true) && !h.strips("x-request-id", true) && !h.strips("authorization", true));
     }
 }

@@ -78,9 +78,10 @@ pub enum Action {
     Dispatch(CalloutRequest),
     /// A callout whose answer nobody reads.
     Notify(CalloutRequest),
-    /// A callout that outlives the stream (an abort sent as it ends): the glue sends it on behalf
-    /// of the VM, so Envoy does not cancel it with the stream.
-    Detach(CalloutRequest),
+    /// An abort of the stage's engine, sent as the stream ends: the glue sends it on behalf of the
+    /// VM, so Envoy does not cancel it with the stream, and reports how that went with
+    /// [`RequestLife::on_detached`].
+    Detach(CalloutRequest, Role),
     /// Answer the client from the filter.
     Reply {
         status: u16,
@@ -264,20 +265,23 @@ impl RequestLife {
         end_of_stream: bool,
         out: &mut Actions,
     ) {
-        let stripped = app.headers().stripped();
         let (mut path, mut method) = (String::new(), String::new());
         for (name, value) in &headers {
-            if stripped.iter().any(|h| h.eq_ignore_ascii_case(name)) {
-                out.push(Action::RemoveRequestHeader(name.clone()));
-            }
             match name.as_str() {
                 ":path" => path = String::from_utf8_lossy(value).into_owned(),
                 ":method" => method = String::from_utf8_lossy(value).into_owned(),
                 _ => {}
             }
         }
+        let route = route(&method, &path);
+        let generation = matches!(route, Route::Generation(_));
+        for (name, _) in &headers {
+            if app.headers().strips(name, generation) {
+                out.push(Action::RemoveRequestHeader(name.clone()));
+            }
+        }
         self.state = State::Passing;
-        match route(&method, &path) {
+        match route {
             Route::ListModels => {
                 out.push(Action::Reply { status: 200, body: list_models(app.config()), headers: json_headers(vec![]) })
             }
@@ -831,19 +835,28 @@ impl RequestLife {
     }
 
     /// The aborts of a routed request that did not complete: the upstream engine, and the prefill
-    /// engine while its callout is out. A request whose `rid` is the client's list has no id.
-    fn abort(app: &AppContext, routed: &Routed, out: &mut Actions) {
+    /// engine while its callout is out.
+    fn abort(routed: &Routed, out: &mut Actions) {
         let decision = routed.exchange.decision();
-        let Some(rid) = decision.rid.as_deref() else { return };
+        let rid = &*decision.rid;
         let upstream = decision.target.upstream();
-        let mut counters = vec![Counter::Abort(decision.target.upstream_stage())];
-        out.push(Action::Detach(abort_request(upstream, rid)));
+        out.push(Action::Detach(abort_request(upstream, rid), decision.target.upstream_stage()));
         let prefill_out = routed.prefill.as_ref().is_some_and(|(_, guard)| guard.is_some());
         if let (true, Target::Pd { prefill, .. }) = (prefill_out, &decision.target) {
-            out.push(Action::Detach(abort_request(prefill, rid)));
-            counters.push(Counter::Abort(Role::Prefill));
+            out.push(Action::Detach(abort_request(prefill, rid), Role::Prefill));
         }
-        app.count(counters);
+    }
+
+    /// How sending an abort of `stage` went: counted sent, or unsent (its engine's cluster is
+    /// gone, as after an update that removed it; the engine finishes the request on its own).
+    /// Counted at once, not held: the stream is ending, and its configuration's root may go with
+    /// it (an update replaced it) before a held count is handed to Envoy.
+    pub fn on_detached(&self, stage: Role, result: Result<u32, String>, out: &mut Actions) {
+        let counter = match result {
+            Ok(_) => Counter::Abort(stage),
+            Err(_) => Counter::AbortUnsent(stage),
+        };
+        out.push(Action::Count(Bumps::from_iter([(counter, 1)])));
     }
 
     /// The stream ended, however: completed, failed, or the client went away at any step. Each
@@ -852,7 +865,7 @@ impl RequestLife {
         match mem::replace(&mut self.state, State::Ended) {
             State::Routed(mut routed) => {
                 if !routed.complete {
-                    Self::abort(app, &routed, out);
+                    Self::abort(&routed, out);
                 }
                 app.carry_out(routed.exchange.on_end());
             }
@@ -988,7 +1001,8 @@ mod tests {
         );
         let actions = visible(&mut out);
         let sent = body_of(&actions).unwrap();
-        assert_eq!((sent["rid"].as_str(), sent["max_tokens"].as_u64()), (Some("req-1"), Some(4)), "Envoy's id");
+        assert!(sent["rid"].as_str().is_some_and(|r| r.starts_with("sgl-")), "the filter's own id, not the header's");
+        assert_eq!(sent["max_tokens"].as_u64(), Some(4));
         let [Action::SetRequestHeader(name, cluster), Action::ClearRouteCache, Action::SetRequestHeader(length, n), Action::ReplaceRequestBody { size, body }, Action::Proceed] =
             &actions[..]
         else {
@@ -1280,7 +1294,10 @@ mod tests {
         assert!(upstream(&actions).is_some(), "over the cap: routed on load at once");
         second.on_end(&app, &mut out);
         first.on_end(&app, &mut out);
-        assert!(matches!(visible(&mut out)[..], [Action::Detach(_)]), "the routed one is aborted, the waiting one not");
+        assert!(
+            matches!(visible(&mut out)[..], [Action::Detach(..)]),
+            "the routed one is aborted, the waiting one not"
+        );
         first.on_callout_answer(&app, 1, Some(200), &mut || unreachable!(), &mut out);
         assert!(visible(&mut out).is_empty(), "ended: the late answer is ignored");
         let (_, actions) = send(&app, "/v1/completions", &tokens());
@@ -1291,6 +1308,28 @@ mod tests {
         let (life, actions) = send(app, "/v1/chat/completions", CHAT);
         assert_eq!(upstream(&actions), Some("sgl_D"));
         (life, actions)
+    }
+
+    /// A field no JSON tree holds (`1e400`, which validation skips as an unknown field) reaches
+    /// both PD engines as sent, with the fields the filter sets; the bytes are never encoded again.
+    #[test]
+    fn a_body_no_tree_can_hold_goes_to_both_pd_engines_as_sent() {
+        let app = pd_app();
+        let body = br#"{"model": "m", "x": 1e400, "rid": null, "messages": [{"role": "user", "content": "hi"}]}"#;
+        let (_, actions) = send(&app, "/v1/chat/completions", body);
+        let [_, Action::ClearRouteCache, _, Action::ReplaceRequestBody { body: decode, .. }, Action::Dispatch(prefill)] =
+            &actions[..]
+        else {
+            panic!("{actions:?}")
+        };
+        for sent in [decode.as_slice(), prefill.body.as_deref().map_or(&[][..], Vec::as_slice)] {
+            let text = String::from_utf8_lossy(sent);
+            assert!(text.contains(r#""x": 1e400, "rid": "sgl-"#), "{text}");
+            assert!(text.contains(r#""messages": [{"role": "user", "content": "hi"}]}"#), "{text}");
+            for field in ["\"bootstrap_host\":", "\"bootstrap_port\":", "\"bootstrap_room\":"] {
+                assert_eq!(text.matches(field).count(), 1, "{field} in {text}");
+            }
+        }
     }
 
     #[test]
@@ -1356,6 +1395,15 @@ mod tests {
         out.clear();
         life.on_end(&app, &mut out);
         assert_eq!((inflight(&app, "P"), inflight(&app, "D")), (0, 0));
+        // The glue reports each abort's dispatch: the decode one sent, the prefill one not.
+        let mut reported = Vec::new();
+        for a in &out {
+            if let Action::Detach(_, stage) = a {
+                let sent = if *stage == Role::Decode { Ok(9) } else { Err("no cluster".to_string()) };
+                life.on_detached(*stage, sent, &mut reported);
+            }
+        }
+        out.extend(reported);
         let mut counted: Vec<String> = app.handles().counters.take(0).into_keys().map(|c| c.name()).collect();
         for a in &out {
             if let Action::Count(bumps) = a {
@@ -1367,9 +1415,9 @@ mod tests {
         assert_eq!((aborts[0].0.as_str(), aborts[1].0.as_str()), ("sgl_D", "sgl_P"));
         assert_eq!(aborts[0].1, aborts[1].1, "one id at both engines");
         assert!(aborts[0].1.starts_with("sgl-"), "drawn: the test sends no x-request-id");
-        for stage in ["decode", "prefill"] {
-            assert!(counted.contains(&format!("sgl_router_aborts_total.stage.{stage}")), "{counted:?}");
-        }
+        assert!(counted.contains(&"sgl_router_aborts_total.stage.decode".to_string()), "{counted:?}");
+        assert!(counted.contains(&"sgl_router_aborts_unsent_total.stage.prefill".to_string()), "{counted:?}");
+        assert!(!counted.contains(&"sgl_router_aborts_total.stage.prefill".to_string()), "{counted:?}");
         life.on_callout_answer(&app, 3, Some(200), &mut || unreachable!(), &mut out);
         assert!(visible(&mut out).is_empty());
     }
@@ -1429,7 +1477,7 @@ mod tests {
         visible(out)
             .into_iter()
             .filter_map(|a| match a {
-                Action::Detach(r) if r.path == "/abort_request" => {
+                Action::Detach(r, _) if r.path == "/abort_request" => {
                     let body: Value = serde_json::from_slice(r.body.as_deref()?).ok()?;
                     Some((r.cluster, body["rid"].as_str()?.to_string()))
                 }
@@ -1439,14 +1487,15 @@ mod tests {
     }
 
     /// A stream that ends after its response completed aborts nothing; one cut before (the
-    /// client gone mid-stream) aborts its engine by the client's own `rid`, and once the prefill
-    /// answered, only the decode engine is told.
+    /// client gone mid-stream) aborts its engine by the id the filter wrote over the client's
+    /// `rid`, and once the prefill answered, only the decode engine is told.
     #[test]
     fn only_an_incomplete_stream_is_aborted_by_its_id() {
         let app = plain_app();
         let body = br#"{"model": "m", "rid": "client-7", "messages": [{"role": "user", "content": "hi"}]}"#;
         let (mut life, actions) = send(&app, "/v1/chat/completions", body);
-        assert!(body_of(&actions).is_none(), "the client's own rid: the body goes as it came");
+        let rid = body_of(&actions).and_then(|b| b["rid"].as_str().map(str::to_string)).unwrap_or_default();
+        assert!(rid.starts_with("sgl-"), "the filter's own id, over the client's: {rid}");
         let mut out = Vec::new();
         life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);
         life.on_response_body(false, &mut out);
@@ -1460,7 +1509,8 @@ mod tests {
         life.on_end(&app, &mut out);
         let sent = aborts(&mut out);
         assert_eq!(sent.len(), 1);
-        assert_eq!(sent[0].1, "client-7");
+        assert_ne!(sent[0].1, "client-7", "another request's id is never aborted");
+        assert!(sent[0].1.starts_with("sgl-") && sent[0].1 != rid, "each request its own id");
 
         let pd = pd_app();
         let (mut life, _) = pd_send(&pd);

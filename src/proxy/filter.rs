@@ -101,15 +101,17 @@ impl Stream {
     /// Sends `request` as the root context's callout: Envoy cancels a stream's callouts when the
     /// stream goes, and this one must reach its engine after. Its answer goes to the root, which
     /// reads none.
-    fn detach(&self, request: &crate::host::CalloutRequest) {
+    fn detach(&self, request: &crate::host::CalloutRequest) -> Result<u32, String> {
         if let Err(status) = hostcalls::set_effective_context(self.root_id) {
             log::warn!("{} to {} not sent: no root context ({status:?})", request.path, request.cluster);
-            return;
+            return Err(format!("no root context ({status:?})"));
         }
-        if let Err(e) = dispatch(request) {
+        let sent = dispatch(request).map_err(|e| e.to_string());
+        if let Err(e) = &sent {
             log::warn!("{} to {} not sent: {e}", request.path, request.cluster);
         }
         let _ = hostcalls::set_effective_context(self.context_id);
+        sent
     }
 
     /// The buffer for one hook's actions.
@@ -149,7 +151,12 @@ impl Stream {
                     self.life.on_dispatched(&self.app.borrow(), result, &mut more);
                     actions.splice(i + 1..i + 1, more);
                 }
-                Action::Detach(request) => self.detach(&request),
+                Action::Detach(request, stage) => {
+                    let sent = self.detach(&request);
+                    let mut more = Vec::new();
+                    self.life.on_detached(stage, sent, &mut more);
+                    actions.splice(i + 1..i + 1, more);
+                }
                 Action::Notify(request) => {
                     let result = dispatch(&request).map_err(|e| e.to_string());
                     self.life.on_notice_dispatched(&self.app.borrow(), &request.cluster, result);

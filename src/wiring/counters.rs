@@ -45,6 +45,9 @@ pub enum Counter {
     Indexer(Arc<str>, IndexerEvent),
     /// `sgl_router_aborts_total{stage}`: aborts sent to engines for requests whose client left.
     Abort(Role),
+    /// `sgl_router_aborts_unsent_total{stage}`: aborts that could not be sent (the engine's
+    /// cluster is gone: an update removed it).
+    AbortUnsent(Role),
     /// `sgl_router_retries_total{stage}`: requests Envoy sent on to a fallback engine.
     Retry(Role),
     /// `sgl_router_queue_rejections_total{class, reason}`: requests that left the waiting queue
@@ -102,6 +105,7 @@ impl Counter {
             Counter::Abort(stage) => (8, stage.as_str(), ""),
             Counter::Retry(stage) => (9, stage.as_str(), ""),
             Counter::QueueRejection(exit, class) => (10, exit.as_str(), class),
+            Counter::AbortUnsent(stage) => (11, stage.as_str(), ""),
         }
     }
 
@@ -133,6 +137,7 @@ impl Counter {
                 }
             }
             Counter::Abort(stage) => format!("sgl_router_aborts_total.stage.{}", stage.as_str()),
+            Counter::AbortUnsent(stage) => format!("sgl_router_aborts_unsent_total.stage.{}", stage.as_str()),
             Counter::Retry(stage) => format!("sgl_router_retries_total.stage.{}", stage.as_str()),
             Counter::QueueRejection(exit, class) => {
                 format!("sgl_router_queue_rejections_total.class.{}.reason.{}", label(class), exit.as_str())

@@ -44,8 +44,6 @@ pub struct ChatBody<'a> {
     pub presence_penalty: Option<Value>,
     #[serde(default, deserialize_with = "present")]
     pub repetition_penalty: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    pub rid: Option<Value>,
 }
 
 impl ChatBody<'_> {

@@ -4,12 +4,11 @@
 
 use std::sync::Arc;
 
-use serde_json::{Map, Value};
-
+use super::body_edit::{with_members, Member};
 use super::bucket_loop::{select, SelectionFailure};
-use super::dp_rank::{choose_rank, with_rank};
-use super::pd::{bootstrap_fields, PdDispatch};
-use super::request_id::{with_rid, RequestId};
+use super::dp_rank::{choose_rank, rank_member};
+use super::pd::{bootstrap_members, PdDispatch};
+use super::request_id::RequestId;
 use super::{Endpoint, RequestFacts};
 use crate::buckets::{BucketPick, BucketRequest, BucketResolver};
 use crate::filter::indexer::{verdict, IndexerCall, IndexerClient};
@@ -74,11 +73,10 @@ pub struct Decision {
     pub fallbacks: Vec<Arc<Engine>>,
     /// PD only: the rewritten body and the prefill callout.
     pub pd: Option<PdDispatch>,
-    /// Plain only: the body rewritten for the engine (its id written, its data-parallel rank
-    /// named), when it is.
+    /// Plain only: the body for the engine (its id written, its data-parallel rank named).
     pub body: Option<Vec<u8>>,
     /// The request's id at its engines, which an abort names.
-    pub rid: Option<Arc<str>>,
+    pub rid: Arc<str>,
     /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
     /// to the service once the decision is carried out.
     pub prefix_event: Option<PrefixEvent>,
@@ -127,11 +125,11 @@ pub struct Ticket {
     pub facts: RequestFacts,
     pub request: BucketRequest,
     pub(crate) resolver: Arc<BucketResolver>,
-    /// The body as it came, for the rewrites: the request's id, a PD pick's bootstrap fields, a
-    /// data-parallel rank.
+    /// The body as it came, for the edits: the request's id, a PD pick's bootstrap fields, a
+    /// data-parallel rank. `None` while parked.
     pub(crate) body: Option<Vec<u8>>,
-    /// The request's id at its engines; `None` when the client's `rid` is not one string.
-    pub rid: Option<RequestId>,
+    /// The request's id at its engines.
+    pub rid: RequestId,
     /// The indexer's match call, when the request is to ask it.
     pub(crate) indexer_call: Option<IndexerCall>,
 }
@@ -267,51 +265,52 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
         let loads = loads.get_or_insert_with(|| wiring.load.snapshot());
         choose_rank(engine.dp_size, ranks.unwrap_or_default(), loads.get(&engine.id))
     };
-    // The id goes into the body the client sent without one.
-    let injected = ticket.rid.as_ref().filter(|r| r.injected).map(|r| Arc::clone(&r.value));
-    // Validated as a JSON object already; the PD and rank rewrites need its tree.
-    let mut tree = || -> Map<String, Value> {
-        let mut tree: Map<String, Value> =
-            ticket.body.take().and_then(|raw| serde_json::from_slice(&raw).ok()).unwrap_or_default();
-        if let Some(rid) = &injected {
-            tree.insert("rid".to_string(), Value::String(rid.to_string()));
-        }
-        tree
+    // The client's bytes as validated, with the id written and any PD or rank fields: an edit
+    // that cannot be made (only a body validation refused could fail it) is that body's 400.
+    let raw = ticket.body.take().unwrap_or_default();
+    let edited = |extra: Vec<Member>| {
+        let mut members = vec![ticket.rid.member()];
+        members.extend(extra);
+        with_members(&raw, &members).map_err(|e| RouteError::invalid(e.to_string()))
     };
-    let (target, pd, body, rank) = match &selection.pick {
+    let built = match &selection.pick {
         BucketPick::Plain(p) => {
             let rank = rank_of(&p.engine, true);
-            let body = match (rank, &injected) {
-                (Some(r), _) => Some(with_rank(&tree(), r)),
-                (None, Some(rid)) => ticket.body.take().map(|raw| with_rid(raw, rid)),
-                (None, None) => None,
-            };
-            (Target::Plain(Arc::clone(&p.engine)), None, body, rank)
+            edited(rank.map(rank_member).into_iter().collect())
+                .map(|body| (Target::Plain(Arc::clone(&p.engine)), None, Some(body), rank))
         }
         BucketPick::Pd { prefill, decode } => {
             let prefill_rank = rank_of(&prefill.engine, true);
             // Decode holds no prefix: its own load decides, unless it is the prefill engine.
             let decode_rank =
                 if decode.engine.id == prefill.engine.id { prefill_rank } else { rank_of(&decode.engine, false) };
-            let mut fields = tree();
-            let rooms = bootstrap_fields(&mut fields, &prefill.engine, ticket.facts.n, wiring.random);
-            let encode = |rank: Option<u32>| match rank {
-                Some(r) => with_rank(&fields, r),
-                None => Value::Object(fields.clone()).to_string().into_bytes(),
+            let (fields, rooms) = bootstrap_members(&prefill.engine, ticket.facts.n, wiring.random);
+            let encode = |rank: Option<u32>| {
+                let mut members = fields.clone();
+                members.extend(rank.map(rank_member));
+                edited(members)
             };
-            let body = encode(decode_rank);
-            let prefill_body = (prefill_rank != decode_rank).then(|| encode(prefill_rank));
-            let pd = PdDispatch {
-                prefill: Arc::clone(&prefill.engine),
-                path: ticket.endpoint.path(),
-                body,
-                prefill_body,
-                rooms,
-                prefill_timeout_ms: wiring.prefill_timeout_ms,
-            };
-            let target = Target::Pd { prefill: Arc::clone(&prefill.engine), decode: Arc::clone(&decode.engine) };
-            (target, Some(pd), None, prefill_rank)
+            let bodies = encode(decode_rank).and_then(|body| {
+                let prefill_body = if prefill_rank != decode_rank { Some(encode(prefill_rank)?) } else { None };
+                Ok((body, prefill_body))
+            });
+            bodies.map(|(body, prefill_body)| {
+                let pd = PdDispatch {
+                    prefill: Arc::clone(&prefill.engine),
+                    path: ticket.endpoint.path(),
+                    body,
+                    prefill_body,
+                    rooms,
+                    prefill_timeout_ms: wiring.prefill_timeout_ms,
+                };
+                let target = Target::Pd { prefill: Arc::clone(&prefill.engine), decode: Arc::clone(&decode.engine) };
+                (target, Some(pd), None, prefill_rank)
+            })
         }
+    };
+    let (target, pd, body, rank) = match built {
+        Ok(built) => built,
+        Err(error) => return Outcome { verdict: Verdict::Failed(error), counters: Vec::new() },
     };
     // Recorded for the engine that does the prefill work, never for a discarded attempt.
     let prefix_event = ticket.request.prompt_text.as_ref().map(|text| PrefixEvent::Stored {
@@ -350,7 +349,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             target,
             pd,
             body,
-            rid: ticket.rid.map(|r| r.value),
+            rid: Arc::clone(&ticket.rid.0),
             prefix_event,
             notices,
         }),

@@ -4,7 +4,9 @@
 //! ties and no match to the rank its `/v1/loads` report shows least loaded. Without a match and
 //! without a fresh report it names none, and the engine balances its ranks itself.
 
-use serde_json::{json, Map, Value};
+use serde_json::json;
+
+use super::body_edit::Member;
 
 use crate::state::load_monitor::EngineLoad;
 
@@ -31,11 +33,9 @@ pub fn choose_rank(dp_size: u32, matched: &[(u32, u64)], load: Option<&EngineLoa
     candidates.into_iter().min_by_key(|r| (rank_load(*r).unwrap_or(u64::MAX), *r))
 }
 
-/// The body with the rank named, a client's own value overwritten.
-pub fn with_rank(body: &Map<String, Value>, rank: u32) -> Vec<u8> {
-    let mut body = body.clone();
-    body.insert(ROUTED_DP_RANK.to_string(), json!(rank));
-    Value::Object(body).to_string().into_bytes()
+/// The body member that names the rank (a client's own value is overwritten).
+pub fn rank_member(rank: u32) -> Member {
+    Member::new(ROUTED_DP_RANK, &json!(rank))
 }
 
 #[cfg(test)]
@@ -65,8 +65,9 @@ mod tests {
 
     #[test]
     fn the_rank_is_written_into_the_body_over_the_clients() {
-        let body: Map<String, Value> = serde_json::from_str(r#"{"model": "m", "routed_dp_rank": 7}"#).unwrap();
-        let v: Value = serde_json::from_slice(&with_rank(&body, 1)).unwrap();
+        let body = br#"{"model": "m", "routed_dp_rank": 7}"#;
+        let edited = super::super::body_edit::with_members(body, &[rank_member(1)]).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&edited).unwrap();
         assert_eq!((v["routed_dp_rank"].as_u64(), v["model"].as_str()), (Some(1), Some("m")));
     }
 }

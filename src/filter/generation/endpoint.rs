@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use super::prepare::{
     cut_to_prompt_limit, optional_integer, prepare_chat, read_object, required_model, sequences, stream_flag,
-    validate_sampling, ClientRid, RequestFacts,
+    validate_sampling, RequestFacts,
 };
 use crate::filter::{ErrorKind, RouteError};
 
@@ -145,8 +145,7 @@ pub fn prepare_endpoint(
     let budget_field = if endpoint == Endpoint::Generate { "max_new_tokens" } else { "max_tokens" };
     let budget = optional_integer(sampling.get(budget_field), budget_field)?.map(|b| (b, budget_field));
     let n = sequences(optional_integer(sampling.get("n"), "n")?, prompts.count())?;
-    let mut facts = RequestFacts::new(model, stream, n, budget, prompts.longest_tokens(bytes_per_token))?;
-    facts.client_rid = ClientRid::of(obj.get("rid"));
+    let facts = RequestFacts::new(model, stream, n, budget, prompts.longest_tokens(bytes_per_token))?;
     let prompt_text = want_prompt.then(|| prompts.text(bytes_per_token));
     Ok(Prepared { facts, prompts, prompt_text })
 }

@@ -3,6 +3,7 @@
 //! [`Decision`], and follow the routed request to its end ([`Exchange`], PD's hand-off).
 
 pub mod abort;
+pub mod body_edit;
 pub mod bucket_loop;
 mod chat_body;
 pub mod decision;
@@ -17,7 +18,7 @@ pub use bucket_loop::{select, Selection, SelectionFailure};
 pub use decision::{decide, Decision, Outcome, PrefixWait, Target, Ticket, Verdict, Wiring};
 pub use endpoint::{prepare_endpoint, token_id_text, Endpoint, Prepared, Prompts};
 pub use exchange::{Effects, Exchange};
-pub use prepare::{prepare, prepare_chat, ClientRid, RequestFacts, MAX_PROMPT_BYTES, MAX_RID_BYTES};
+pub use prepare::{prepare, prepare_chat, RequestFacts, MAX_PROMPT_BYTES};
 
 use crate::filter::errors::{payload_too_large, MAX_BODY_BYTES};
 use crate::filter::RouteError;

@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use serde_json::{json, Map, Value};
+use serde_json::json;
+
+use super::body_edit::Member;
 
 use crate::filter::{ErrorKind, RouteError};
 use crate::host::CalloutRequest;
@@ -194,58 +196,48 @@ pub fn new_room(random: &dyn RandomSource) -> u64 {
     random.next_u64() & (u64::MAX >> 1)
 }
 
-/// Writes the bootstrap fields into `body`; returns its rooms.
-pub fn bootstrap_fields(
-    body: &mut Map<String, Value>,
-    prefill: &Engine,
-    n: u64,
-    random: &dyn RandomSource,
-) -> Vec<u64> {
+/// The bootstrap fields naming `prefill` (each a list, one per choice, when `n` > 1), and the
+/// rooms drawn for them.
+pub fn bootstrap_members(prefill: &Engine, n: u64, random: &dyn RandomSource) -> (Vec<Member>, Vec<u64>) {
     let host = prefill.address.host.clone();
     let port = prefill.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
     let choices = n.max(1);
     let rooms: Vec<u64> = (0..choices).map(|_| new_room(random)).collect();
-    if choices == 1 {
-        body.insert("bootstrap_host".into(), json!(host));
-        body.insert("bootstrap_port".into(), json!(port));
-        body.insert("bootstrap_room".into(), json!(rooms[0]));
+    let (host, port, room) = if choices == 1 {
+        (json!(host), json!(port), json!(rooms[0]))
     } else {
         let count = rooms.len();
-        body.insert("bootstrap_host".into(), json!(vec![host; count]));
-        body.insert("bootstrap_port".into(), json!(vec![port; count]));
-        body.insert("bootstrap_room".into(), json!(rooms));
-    }
-    rooms
+        (json!(vec![host; count]), json!(vec![port; count]), json!(rooms))
+    };
+    let members = vec![
+        Member::new("bootstrap_host", &host),
+        Member::new("bootstrap_port", &port),
+        Member::new("bootstrap_room", &room),
+    ];
+    (members, rooms)
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::body_edit::with_members;
     use super::super::CHAT_PATH;
     use super::*;
     use crate::policies::SeededRandom;
     use crate::registry::Role;
     use crate::testing::test;
     use crate::testing::worker_with;
+    use serde_json::Value;
 
     /// The body with the bootstrap fields, and its rooms.
-    fn bootstrap_body(
-        mut body: Map<String, Value>,
-        prefill: &Engine,
-        n: u64,
-        random: &dyn RandomSource,
-    ) -> (Vec<u8>, Vec<u64>) {
-        let rooms = bootstrap_fields(&mut body, prefill, n, random);
-        (Value::Object(body).to_string().into_bytes(), rooms)
-    }
-
-    fn parsed(v: Value) -> Map<String, Value> {
-        v.as_object().cloned().unwrap()
+    fn bootstrap_body(body: Value, prefill: &Engine, n: u64, random: &dyn RandomSource) -> (Vec<u8>, Vec<u64>) {
+        let (members, rooms) = bootstrap_members(prefill, n, random);
+        (with_members(body.to_string().as_bytes(), &members).unwrap(), rooms)
     }
 
     #[test]
     fn bootstrap_fields_name_the_prefill_engine_and_overwrite_the_clients() {
         let p = worker_with("P1", Role::Prefill, "m");
-        let body = parsed(json!({"model": "m", "messages": [], "bootstrap_room": 5, "bootstrap_host": "evil"}));
+        let body = json!({"model": "m", "messages": [], "bootstrap_room": 5, "bootstrap_host": "evil"});
         let (bytes, rooms) = bootstrap_body(body, &p, 1, &SeededRandom::new(3));
         let v: Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["bootstrap_host"], "127.0.0.1");
@@ -383,7 +375,7 @@ mod tests {
     #[test]
     fn n_greater_than_one_gets_arrays_with_a_fresh_room_per_choice() {
         let p = worker_with("P1", Role::Prefill, "m");
-        let (bytes, rooms) = bootstrap_body(parsed(json!({"n": 3})), &p, 3, &SeededRandom::new(1));
+        let (bytes, rooms) = bootstrap_body(json!({"n": 3}), &p, 3, &SeededRandom::new(1));
         let v: Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(rooms.len(), 3);
         assert_eq!(v["bootstrap_room"], json!(rooms));

@@ -17,32 +17,6 @@ pub struct RequestFacts {
     pub input_tokens: u64,
     /// Input plus output budget when the budget is known (per sequence, whatever `n`).
     pub expected_peak_tokens: Option<u64>,
-    /// The client's `rid`, as the body gave it.
-    pub client_rid: ClientRid,
-}
-
-/// The longest client `rid` the filter takes as the request's id; a longer one stays in the body
-/// as sent, and the request is not aborted by it.
-pub const MAX_RID_BYTES: usize = 256;
-
-/// The client's `rid` field (spec §8). A string is the request's id at every engine; another
-/// value (SGLang takes a list for a batch) stays as sent, and no abort can name the request.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum ClientRid {
-    #[default]
-    Absent,
-    Id(String),
-    Other,
-}
-
-impl ClientRid {
-    pub fn of(value: Option<&serde_json::Value>) -> Self {
-        match value {
-            None | Some(serde_json::Value::Null) => ClientRid::Absent,
-            Some(serde_json::Value::String(s)) if !s.is_empty() && s.len() <= MAX_RID_BYTES => ClientRid::Id(s.clone()),
-            Some(_) => ClientRid::Other,
-        }
-    }
 }
 
 impl RequestFacts {
@@ -69,7 +43,7 @@ impl RequestFacts {
                 })
             })
             .transpose()?;
-        Ok(Self { model, stream, n, output_budget, input_tokens, expected_peak_tokens, client_rid: ClientRid::Absent })
+        Ok(Self { model, stream, n, output_budget, input_tokens, expected_peak_tokens })
     }
 }
 
@@ -101,8 +75,7 @@ pub fn prepare_chat(
     };
     let text_bytes = messages.iter().map(Message::text_bytes).fold(0u64, u64::saturating_add);
     let input_tokens = text_bytes.div_ceil(bytes_per_token.max(1));
-    let mut facts = RequestFacts::new(model, stream, n, budget, input_tokens)?;
-    facts.client_rid = ClientRid::of(view.rid.as_ref());
+    let facts = RequestFacts::new(model, stream, n, budget, input_tokens)?;
     Ok((facts, want_prompt.then(|| prompt_text(messages))))
 }
 
