@@ -10,6 +10,12 @@ use crate::registry::Role;
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
+    /// The configuration's place in the order of its versions (spec §8): the service follows the
+    /// announced configuration of the highest generation, so a VM reloaded on an older one never
+    /// takes it back. `render` and `update` write it; 0 (absent) is unordered: the last announced
+    /// is followed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
     pub workers: Vec<WorkerConfig>,
     #[serde(default)]
     pub upstream: UpstreamConfig,
@@ -40,6 +46,10 @@ pub struct RouterConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueConfig>,
     pub models: BTreeMap<String, ModelConfig>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The most requests one model's queue may hold: every VM reads the whole queue on its turns.

@@ -16,7 +16,8 @@ use crate::config;
 use crate::filter::AppContext;
 use crate::host::Host;
 use crate::policies::cache_aware::LocalCacheSource;
-use crate::state::{filter_config, vm_registry};
+use crate::state::filter_config::{self, Announced};
+use crate::state::vm_registry;
 use crate::wiring::counters::{queue_bytes, queue_depth};
 use crate::wiring::factory::filter_handles;
 use std::time::Duration;
@@ -169,8 +170,17 @@ impl RootContext for Root {
         match id.as_str() {
             FILTER_ROOT_ID => {
                 let host: Arc<dyn Host> = Arc::new(ProxyHost);
-                if let Err(e) = filter_config::announce(host.as_ref(), &text) {
-                    log::warn!("filter configuration not announced to the service: {e}");
+                match filter_config::announce(host.as_ref(), &text, parsed.generation) {
+                    Ok(Announced::Older { followed }) => log::warn!(
+                        "this VM runs filter configuration generation {}; the service follows generation {followed}",
+                        parsed.generation
+                    ),
+                    Ok(Announced::Conflict) => log::warn!(
+                        "another filter configuration of generation {} is followed; generations name one configuration each",
+                        parsed.generation
+                    ),
+                    Ok(Announced::Followed | Announced::Already) => {}
+                    Err(e) => log::warn!("filter configuration not announced to the service: {e}"),
                 }
                 let vm = *self.vm.get_or_insert_with(|| host.random_u64());
                 let (handles, prefixes) = filter_handles(&parsed, host, vm);

@@ -520,7 +520,7 @@ mod tests {
         let mut service = FollowingService::new(None, host.clone());
         assert!(service.tick(0).polls.is_empty(), "nothing to monitor yet");
         let text = |workers: &[&str]| serde_json::to_string(&config_of(workers)).unwrap();
-        crate::state::filter_config::announce(host.as_ref(), &text(&["A"])).unwrap();
+        crate::state::filter_config::announce(host.as_ref(), &text(&["A"]), 0).unwrap();
         let clusters = |plan: TickPlan| {
             let mut c: Vec<String> = plan.polls.into_iter().map(|p| p.request.cluster).collect();
             c.sort();
@@ -528,9 +528,32 @@ mod tests {
             c
         };
         assert_eq!(clusters(service.tick(0)), ["sgl_A"]);
-        crate::state::filter_config::announce(host.as_ref(), &text(&["A", "B"])).unwrap();
+        crate::state::filter_config::announce(host.as_ref(), &text(&["A", "B"]), 0).unwrap();
         assert_eq!(clusters(service.tick(1)), ["sgl_A", "sgl_B"]);
         assert_eq!(health(&host).monitored, ["A", "B"]);
+    }
+
+    /// The crash-reload case: a filter VM reloaded on the configuration it started with announces
+    /// it again after the newer one. The service keeps monitoring the newer configuration's
+    /// engines; before generations it went back, and the newer engines were taken out of service.
+    #[test]
+    fn a_vm_reloaded_on_an_older_configuration_does_not_take_the_service_back() {
+        let host = Arc::new(MemoryHost::default());
+        let mut service = FollowingService::new(None, host.clone());
+        let text = |generation: u64, workers: &[&str]| {
+            let mut config = config_of(workers);
+            config.generation = generation;
+            serde_json::to_string(&config).unwrap()
+        };
+        let announce = |t: &str, g: u64| crate::state::filter_config::announce(host.as_ref(), t, g).unwrap();
+        announce(&text(1, &["A"]), 1);
+        service.tick(0);
+        announce(&text(2, &["A", "B"]), 2);
+        service.tick(1);
+        assert_eq!(health(&host).monitored, ["A", "B"]);
+        announce(&text(1, &["A"]), 1);
+        service.tick(2);
+        assert_eq!(health(&host).monitored, ["A", "B"], "generation 2 is still the newest");
     }
 
     #[test]

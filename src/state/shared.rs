@@ -139,6 +139,30 @@ pub fn update<R>(
     Err(HostError::Failed(format!("`{key}` stayed contended for {CAS_RETRIES} cas attempts")))
 }
 
+/// Publishes what `next` makes of the current value (`None`: absent), atomically: `next` returns
+/// `None` to leave it. Returns whether it published (and so moved the table's version).
+pub fn publish_if(
+    host: &dyn Host,
+    table: &str,
+    next: impl Fn(Option<&[u8]>) -> Option<Vec<u8>>,
+) -> Result<bool, HostError> {
+    for _ in 0..CAS_RETRIES {
+        let current = host.shared_get(table)?;
+        let Some(bytes) = next(current.as_ref().map(|c| c.bytes.as_slice())) else { return Ok(false) };
+        let cas = current.map_or(ONLY_IF_ABSENT, |c| c.cas);
+        match host.shared_set(table, &bytes, Some(cas)) {
+            Ok(()) => {
+                let version_key = keys::version_of(table);
+                fetch_add(host, &version_key, 1)?;
+                return Ok(true);
+            }
+            Err(HostError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(HostError::Failed(format!("`{table}` stayed contended for {CAS_RETRIES} cas attempts")))
+}
+
 /// 128-bit FNV-1a over the length-prefixed parts: stable across VMs and builds (std's hasher is
 /// seeded per process), and no choice of parts can pose as another.
 pub fn stable_hash<'a>(parts: impl IntoIterator<Item = &'a str>) -> u128 {
