@@ -5,7 +5,7 @@
 //! the old configuration until they drain. The service's bootstrap configuration is empty: it
 //! follows the filter's.
 
-use std::fs;
+use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -41,6 +41,23 @@ pub enum DynamicError {
     Yaml(#[from] serde_yaml_ng::Error),
     #[error("{0} is not from `render --dynamic`: {1}")]
     NotRendered(PathBuf, String),
+    #[error("generation {given} is not above the running configuration's {running}: the service would not follow it")]
+    GenerationNotAbove { given: u64, running: u64 },
+    #[error(
+        "cannot tell whether Envoy has {0}: {1}; the filter configuration was not replaced (run `update` again, \
+         or pass --offline when no Envoy runs on this directory)"
+    )]
+    Unconfirmed(String, String),
+}
+
+/// Whether `update` confirms with Envoy's admin that it took up new engines before it routes to
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Confirm {
+    /// Wait for Envoy to list every new cluster and engine host; fail when it cannot tell.
+    WithEnvoy,
+    /// No Envoy runs on the directory: write the files.
+    Offline,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,10 +172,65 @@ fn replace(dir: &Path, file: &str, text: &str) -> Result<bool, DynamicError> {
     if fs::read_to_string(&path).is_ok_and(|old| old == text) {
         return Ok(false);
     }
-    let temporary = dir.join(format!(".{file}.new"));
-    fs::write(&temporary, text).map_err(|e| DynamicError::Io(temporary.clone(), e))?;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let temporary = dir.join(format!(".{file}.{}.{nanos}.new", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = File::create(&temporary)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()
+    };
+    write().map_err(|e| DynamicError::Io(temporary.clone(), e))?;
     fs::rename(&temporary, &path).map_err(|e| DynamicError::Io(path, e))?;
+    // The rename itself is durable only once the directory is.
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| DynamicError::Io(dir.to_path_buf(), e))?;
     Ok(true)
+}
+
+/// The directory's lock, held while `render` or `update` writes it: two at once would interleave
+/// their files.
+fn lock(dir: &Path) -> Result<File, DynamicError> {
+    let path = dir.join(".sgl-envoy-router.lock");
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| DynamicError::Io(path.clone(), e))?;
+    file.lock().map_err(|e| DynamicError::Io(path, e))?;
+    Ok(file)
+}
+
+/// The router configuration `dir`'s filter configuration carries, as JSON (`None`: no file yet).
+fn running_config(dir: &Path) -> Option<Value> {
+    let text = fs::read_to_string(dir.join(FILTER)).ok()?;
+    let doc = serde_yaml_ng::from_str::<Value>(&text).ok()?;
+    let embedded = doc.pointer("/resources/0/typed_config/config/configuration/value")?.as_str()?;
+    serde_json::from_str(embedded).ok()
+}
+
+/// `config` with the generation it goes out as (spec §8): its own when it names one, above the
+/// running one; the running one when nothing else changed; else the clock in Unix ms, above the
+/// running one.
+fn stamped(config: &RouterConfig, running: Option<Value>) -> Result<RouterConfig, DynamicError> {
+    let mut config = config.clone();
+    let mut running = running.unwrap_or(Value::Null);
+    let generation = running.get("generation").and_then(Value::as_u64).unwrap_or(0);
+    if config.generation != 0 {
+        if config.generation <= generation {
+            return Err(DynamicError::GenerationNotAbove { given: config.generation, running: generation });
+        }
+        return Ok(config);
+    }
+    if let Some(map) = running.as_object_mut() {
+        map.remove("generation");
+    }
+    if serde_json::to_value(&config).is_ok_and(|c| c == running) {
+        config.generation = generation;
+        return Ok(config);
+    }
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    config.generation = now.max(generation + 1);
+    Ok(config)
 }
 
 fn write_clusters(dir: &Path, clusters: &[Value]) -> Result<bool, DynamicError> {
@@ -168,7 +240,9 @@ fn write_clusters(dir: &Path, clusters: &[Value]) -> Result<bool, DynamicError> 
 /// `render --dynamic DIR`: every file, from scratch. Returns the bootstrap's path.
 pub fn render_dynamic(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Result<PathBuf, DynamicError> {
     let dir = absolute(dir)?;
-    let files = watched(config, options, &dir);
+    let _lock = lock(&dir)?;
+    let config = stamped(config, running_config(&dir))?;
+    let files = watched(&config, options, &dir);
     let saved = serde_json::to_string_pretty(&SavedOptions::from(options)).unwrap_or_default();
     replace(&dir, OPTIONS, &saved)?;
     write_clusters(&dir, &files.clusters)?;
@@ -214,8 +288,10 @@ fn current_clusters(dir: &Path) -> Result<Vec<Value>, DynamicError> {
 /// filter configuration, then the listener if its routes changed, and only after `settle` the
 /// clusters of removed workers, whose streams still run (Envoy lets them finish either way; a
 /// request routed just before the filter update must still find its cluster).
-pub fn update(config: &RouterConfig, dir: &Path, settle: Duration) -> Result<Updated, DynamicError> {
+pub fn update(config: &RouterConfig, dir: &Path, settle: Duration, confirm: Confirm) -> Result<Updated, DynamicError> {
     let dir = absolute(dir)?;
+    let _lock = lock(&dir)?;
+    let config = &stamped(config, running_config(&dir))?;
     let options_path = dir.join(OPTIONS);
     let saved = fs::read_to_string(&options_path).map_err(|e| DynamicError::Io(options_path.clone(), e))?;
     let options: RenderOptions = serde_json::from_str::<SavedOptions>(&saved)
@@ -243,8 +319,28 @@ pub fn update(config: &RouterConfig, dir: &Path, settle: Duration) -> Result<Upd
         .chain(kept_old.cloned())
         .collect();
     let shrinks = union != files.clusters;
-    if write_clusters(&dir, &union)? && !report.clusters_added.is_empty() {
-        wait_for_clusters(options.admin_port, &report.clusters_added);
+    // What Envoy must list before the filter names it: each cluster, and each host of the engines
+    // cluster, that the running filter configuration does not name (a host Envoy lacks gets no
+    // request: the cluster's fallback refuses). Against the running filter, not the clusters file:
+    // an update that could not confirm wrote the clusters already.
+    let running = running_config(&dir)
+        .and_then(|c| sgl_envoy_router::config::parse_and_validate(&c.to_string()).ok())
+        .map_or_else(|| old.clone(), |c| clusters(&c));
+    let mut awaited: Vec<String> = cluster_names(&files.clusters)
+        .into_iter()
+        .filter(|n| !cluster_names(&running).contains(n))
+        .map(|n| format!("{n}::"))
+        .collect();
+    let old_engines = running.iter().find(|c| c["name"] == ENGINES_CLUSTER);
+    if let Some(engines) = files.clusters.iter().find(|c| c["name"] == ENGINES_CLUSTER) {
+        let before = old_engines.map(hosts_of).unwrap_or_default();
+        awaited.extend(
+            hosts_of(engines).into_iter().filter(|h| !before.contains(h)).map(|h| format!("{ENGINES_CLUSTER}::{h}::")),
+        );
+    }
+    write_clusters(&dir, &union)?;
+    if !awaited.is_empty() && confirm == Confirm::WithEnvoy {
+        wait_for_clusters(options.admin_port, &awaited)?;
     }
     report.filter = replace(&dir, FILTER, &yaml(&files.filter, "The router filter's configuration (ECDS)")?)?;
     report.listener = replace(&dir, LISTENERS, &yaml(&files.listeners, "The listener")?)?;
@@ -270,18 +366,36 @@ fn with_hosts_of(cluster: &Value, previous: &Value) -> Value {
     merged
 }
 
-/// Waits until Envoy's admin lists every cluster of `names` as active, or [`CLUSTER_WAIT`]
-/// passed, or no Envoy answers there (then there is nothing to wait for).
-fn wait_for_clusters(admin_port: u16, names: &[String]) {
+/// `ip:port` of each host of a cluster, as Envoy's admin lists them.
+fn hosts_of(cluster: &Value) -> Vec<String> {
+    let hosts = cluster.pointer("/load_assignment/endpoints/0/lb_endpoints").and_then(Value::as_array);
+    hosts
+        .into_iter()
+        .flatten()
+        .filter_map(|h| {
+            let a = &h["endpoint"]["address"]["socket_address"];
+            Some(format!("{}:{}", a["address"].as_str()?, a["port_value"].as_u64()?))
+        })
+        .collect()
+}
+
+/// Waits until Envoy's admin lists a line starting with each of `prefixes` (`cluster::` or
+/// `cluster::host::`); an error when it does not answer, or has not within [`CLUSTER_WAIT`].
+fn wait_for_clusters(admin_port: u16, prefixes: &[String]) -> Result<(), DynamicError> {
+    let what = || prefixes.iter().map(|p| p.trim_end_matches("::")).collect::<Vec<_>>().join(", ");
     let deadline = Instant::now() + CLUSTER_WAIT;
-    while Instant::now() < deadline {
-        let Some(listing) = admin_get(admin_port, "/clusters") else { return };
-        if names.iter().all(|n| listing.lines().any(|l| l.starts_with(&format!("{n}::")))) {
-            return;
+    loop {
+        let Some(listing) = admin_get(admin_port, "/clusters") else {
+            return Err(DynamicError::Unconfirmed(what(), format!("its admin on port {admin_port} did not answer")));
+        };
+        if prefixes.iter().all(|p| listing.lines().any(|l| l.starts_with(p.as_str()))) {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(DynamicError::Unconfirmed(what(), format!("it did not list them within {CLUSTER_WAIT:?}")));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("warning: Envoy did not list {} within {CLUSTER_WAIT:?}; updating the filter anyway", names.join(", "));
 }
 
 fn admin_get(port: u16, path: &str) -> Option<String> {
@@ -328,7 +442,7 @@ mod tests {
         assert!(listeners.contains("config_discovery") && !listeners.contains("\"workers\""));
         assert_eq!(names_in(&dir), ["sgl_A", "sgl_B", "sgl_engines"]);
 
-        let report = update(&config(&["A", "C"]), &dir, Duration::ZERO).unwrap();
+        let report = update(&config(&["A", "C"]), &dir, Duration::ZERO, Confirm::Offline).unwrap();
         assert_eq!(
             report,
             Updated {
@@ -347,8 +461,119 @@ mod tests {
             .filter_map(|e| e["endpoint"]["address"]["socket_address"]["port_value"].as_u64())
             .collect();
         assert_eq!(ports, [30001, 30002], "A and C (C took B's port), B's host gone after the settle");
-        let again = update(&config(&["A", "C"]), &dir, Duration::ZERO).unwrap();
-        assert_eq!(again, Updated::default(), "nothing changed, nothing written");
+        let again = update(&config(&["A", "C"]), &dir, Duration::ZERO, Confirm::WithEnvoy).unwrap();
+        assert_eq!(again, Updated::default(), "nothing changed, nothing written, the generation kept");
+        // No Envoy answers: it cannot tell whether Envoy has D, says so, and leaves the filter;
+        // run again, it still cannot (the clusters file has D now, the running filter does not).
+        for _ in 0..2 {
+            let unconfirmed = update(&config(&["A", "C", "D"]), &dir, Duration::ZERO, Confirm::WithEnvoy);
+            assert!(
+                matches!(&unconfirmed, Err(DynamicError::Unconfirmed(what, _)) if what == "sgl_D, sgl_engines::127.0.0.1:30003"),
+                "{unconfirmed:?}"
+            );
+            let ids: Vec<Value> =
+                running_config(&dir).unwrap()["workers"].as_array().unwrap().iter().map(|w| w["id"].clone()).collect();
+            assert_eq!(ids, ["A", "C"], "the filter still names A and C");
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("sgl-dynamic-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn generation_in(dir: &Path) -> u64 {
+        running_config(dir).and_then(|c| c["generation"].as_u64()).unwrap_or(0)
+    }
+
+    #[test]
+    fn each_change_goes_out_above_the_running_generation() {
+        let dir = scratch("generation");
+        let options = RenderOptions { admin_port: 1, ..RenderOptions::default() };
+        render_dynamic(&config(&["A"]), &options, &dir).unwrap();
+        let first = generation_in(&dir);
+        assert!(first > 0, "render writes one");
+        update(&config(&["A", "B"]), &dir, Duration::ZERO, Confirm::Offline).unwrap();
+        let second = generation_in(&dir);
+        assert!(second > first, "{second} after {first}");
+        let mut named = config(&["A"]);
+        named.generation = second;
+        let refused = update(&named, &dir, Duration::ZERO, Confirm::Offline);
+        assert!(
+            matches!(refused, Err(DynamicError::GenerationNotAbove { given, running }) if given == second && running == second)
+        );
+        named.generation = second + 10;
+        update(&named, &dir, Duration::ZERO, Confirm::Offline).unwrap();
+        assert_eq!(generation_in(&dir), second + 10, "a control plane's own order is kept");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A fake Envoy admin that lists the new engine's host in the engines cluster only from its
+    /// fourth answer on: `update` routes to it only after that.
+    #[test]
+    fn an_update_waits_for_envoy_to_list_each_new_engine_host() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let answers = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let served = std::sync::Arc::clone(&answers);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut request = Vec::new();
+                let mut byte = [0u8; 1];
+                while !request.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                    request.push(byte[0]);
+                }
+                let n = served.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut listing =
+                    String::from("sgl_A::127.0.0.1:30001::cx_active::0\nsgl_C::127.0.0.1:30003::cx_active::0\n");
+                if n >= 3 {
+                    listing.push_str("sgl_engines::127.0.0.1:30003::cx_active::0\n");
+                }
+                let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{listing}", listing.len());
+            }
+        });
+        let dir = scratch("hosts");
+        let options = RenderOptions { admin_port: port, ..RenderOptions::default() };
+        render_dynamic(&config(&["A", "B"]), &options, &dir).unwrap();
+        let report = update(&config(&["A", "B", "C"]), &dir, Duration::ZERO, Confirm::WithEnvoy).unwrap();
+        assert_eq!(report.clusters_added, ["sgl_C"]);
+        assert!(answers.load(std::sync::atomic::Ordering::SeqCst) >= 4, "it waited for the host, not only the cluster");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// Updates racing on one directory each finish whole, one after another: every one succeeds,
+    /// and the files left name one configuration.
+    #[test]
+    fn concurrent_updates_do_not_interleave() {
+        let dir = scratch("concurrent");
+        let options = RenderOptions { admin_port: 1, ..RenderOptions::default() };
+        render_dynamic(&config(&["A", "B"]), &options, &dir).unwrap();
+        let racers: Vec<_> = (0..8)
+            .map(|i| {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    let workers: &[&str] = if i % 2 == 0 { &["A", "B"] } else { &["A", "C", "D"] };
+                    update(&config(workers), &dir, Duration::ZERO, Confirm::Offline)
+                })
+            })
+            .collect();
+        for racer in racers {
+            racer.join().unwrap().unwrap();
+        }
+        let filter = running_config(&dir).unwrap();
+        let ids: Vec<&str> = filter["workers"].as_array().unwrap().iter().filter_map(|w| w["id"].as_str()).collect();
+        let clusters: Vec<String> = names_in(&dir).into_iter().filter(|n| n != ENGINES_CLUSTER).collect();
+        let expected: Vec<String> = ids.iter().map(|id| format!("sgl_{id}")).collect();
+        assert_eq!(clusters, expected, "the clusters are the filter's");
+        let leftovers: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".new"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
         let _ = fs::remove_dir_all(&dir);
     }
 }

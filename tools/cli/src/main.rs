@@ -50,6 +50,10 @@ enum Command {
         /// How long removed workers' clusters stay, for requests routed just before the update.
         #[arg(long, default_value_t = 2000)]
         settle_ms: u64,
+        /// No Envoy runs on DIR: write the files without confirming with Envoy's admin that it
+        /// took up new engines (without it, `update` fails when it cannot tell).
+        #[arg(long)]
+        offline: bool,
     },
     /// Turn an sglang-router 0.3.2 command line into a router configuration (YAML on stdout).
     Translate {
@@ -76,12 +80,13 @@ fn main() -> ExitCode {
             Err(errors) => report(&config, &errors),
         },
         Command::Translate { model, skip_refused, args } => run_translate(&model, &args, skip_refused),
-        Command::Update { config, dynamic, settle_ms } => {
+        Command::Update { config, dynamic, settle_ms, offline } => {
             let loaded = match config::load_file(&config) {
                 Ok(c) => c,
                 Err(errors) => return report(&config, &errors),
             };
-            match dynamic::update(&loaded, &dynamic, Duration::from_millis(settle_ms)) {
+            let confirm = if offline { dynamic::Confirm::Offline } else { dynamic::Confirm::WithEnvoy };
+            match dynamic::update(&loaded, &dynamic, Duration::from_millis(settle_ms), confirm) {
                 Ok(done) => {
                     println!(
                         "updated {}: {} workers; clusters added [{}], removed [{}]; filter configuration {}; listener {}",

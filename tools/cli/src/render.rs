@@ -309,13 +309,28 @@ fn engines_cluster(config: &RouterConfig) -> Value {
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
                 "override_host_sources": [{"header": ENDPOINT_HEADER}],
-                // Never reached while the filter names no more fallbacks than Envoy retries.
-                "fallback_policy": {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.round_robin",
-                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
-                }}]},
+                // No address the filter named is in the cluster (a stale cluster, an update Envoy
+                // has not taken up): no host, a 503, never another model's or role's engine.
+                "fallback_policy": {"policies": [{"typed_extension_config": refusing_policy()}]},
             },
         }}]},
+    })
+}
+
+/// A load-balancing policy that picks no host: a subset policy whose one selector no host
+/// matches, with no fallback.
+fn refusing_policy() -> Value {
+    json!({
+        "name": "envoy.load_balancing_policies.subset",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.subset.v3.Subset",
+            "fallback_policy": "NO_FALLBACK",
+            "subset_selectors": [{"keys": ["sgl_no_such_key"]}],
+            "subset_lb_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+            }}]},
+        },
     })
 }
 
