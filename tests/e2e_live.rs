@@ -296,12 +296,25 @@ fn an_invalid_update_changes_nothing() {
 /// Sends `body` to `path` on a raw connection, reads `read_bytes` of the answer (0: none), waits
 /// `after`, and goes away.
 fn send_and_leave(envoy: &Envoy, path: &str, body: &Value, read_bytes: usize, after: Duration) {
+    send_and_leave_with(envoy, path, body, &[], read_bytes, after)
+}
+
+/// The same, with extra request headers.
+fn send_and_leave_with(
+    envoy: &Envoy,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+    read_bytes: usize,
+    after: Duration,
+) {
     use std::io::{Read, Write};
     let mut socket = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).unwrap();
     let body = body.to_string();
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     write!(
         socket,
-        "POST {path} HTTP/1.1\r\nHost: sgl\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: sgl\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -350,6 +363,127 @@ fn a_client_gone_mid_stream_is_aborted_at_its_engine() {
     assert_eq!(r.status, 200);
     sleep(Duration::from_millis(300));
     assert_eq!(last_rid_and_aborts(a).1.len(), 1, "nothing more aborted");
+}
+
+/// The ids the engine saw on its recent requests.
+fn recent_rids(sim: &Sim) -> Vec<Value> {
+    sim.state()["recent"].as_array().map(|r| r.iter().map(|r| r["rid"].clone()).collect()).unwrap_or_default()
+}
+
+/// A client that names another request's `rid` (and its `x-request-id`) and goes away aborts
+/// only its own request: each request gets the filter's own id, whatever the client sent.
+#[test]
+fn a_client_cannot_abort_another_request_by_naming_its_id() {
+    let specs = vec![SimSpec { token_delay_ms: 20, ..SimSpec::plain("A") }];
+    let d = Deployment::start("abort_spoofed", specs, plain_router);
+    d.wait_for_service(1);
+    let mut victim_body = chat_body("the victim", 60, true);
+    victim_body["rid"] = json!("shared-id");
+    let ids = [("x-request-id", "shared-request-id")];
+    let victim = {
+        let url = d.envoy.url("/v1/chat/completions");
+        let body = victim_body.clone();
+        thread::spawn(move || send(&url, "POST", Some(&body), &ids))
+    };
+    wait_for("the victim running", Duration::from_secs(5), || (d.sim("A").state()["running"] == 1).then_some(()));
+    let mut attacker_body = chat_body("the attacker", 60, true);
+    attacker_body["rid"] = json!("shared-id");
+    send_and_leave_with(&d.envoy, "/v1/chat/completions", &attacker_body, &ids, 200, Duration::from_millis(200));
+    let aborts = wait_for("the attacker's abort", Duration::from_secs(10), || {
+        let aborts = last_rid_and_aborts(d.sim("A")).1;
+        (!aborts.is_empty()).then_some(aborts)
+    });
+    let r = victim.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("\"finish_reason\":\"length\""), "the victim ran to its end: {}", r.body);
+    let rids = recent_rids(d.sim("A"));
+    assert_eq!(rids.len(), 2, "{rids:?}");
+    assert_ne!(rids[0], rids[1], "two requests, two ids");
+    assert!(rids.iter().all(|r| r.as_str().is_some_and(|r| r.starts_with("sgl-"))), "never the client's: {rids:?}");
+    assert_eq!(aborts.len(), 1, "{aborts:?}");
+}
+
+/// A body with `"rid": null` is still aborted when its client goes away: the id the engine keeps
+/// is the filter's, not the client's `null`.
+#[test]
+fn a_request_whose_rid_is_null_is_still_aborted() {
+    let specs = vec![SimSpec { token_delay_ms: 50, ..SimSpec::plain("A") }];
+    let d = Deployment::start("abort_null_rid", specs, plain_router);
+    d.wait_for_service(1);
+    let mut body = chat_body("null id", 200, true);
+    body["rid"] = Value::Null;
+    send_and_leave(&d.envoy, "/v1/chat/completions", &body, 200, Duration::from_millis(300));
+    let a = d.sim("A");
+    let (rid, aborts) = wait_for("the abort at A", Duration::from_secs(10), || {
+        let (rid, aborts) = last_rid_and_aborts(a);
+        (!aborts.is_empty()).then_some((rid, aborts))
+    });
+    assert!(!rid.is_empty() && aborts.contains(&rid), "the engine's id {rid:?} is the one aborted: {aborts:?}");
+    wait_for("A to stop", Duration::from_secs(5), || (a.state()["running"] == 0).then_some(()));
+}
+
+/// Envoy's engines cluster lacks the engine the filter names (a stale cluster file, an update
+/// whose Envoy did not answer): the request gets a 503, and never goes to an engine the filter did
+/// not name, here the only other host, another model's.
+#[test]
+fn a_request_never_falls_back_to_an_engine_the_filter_did_not_name() {
+    let specs = vec![SimSpec::plain("A"), SimSpec::plain("B").model("other-model")];
+    let live = Live::start("no_fallback", specs, |sims| {
+        let mut config = router(&[&sims[0], &sims[1]]);
+        config["models"]["other-model"] = config["models"]["demo-model"].clone();
+        config
+    });
+    let path = live.files.join("clusters.yaml");
+    let mut doc: Value = serde_yaml_ng::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    let a_port = json!(live.sim("A").port);
+    for cluster in doc["resources"].as_array_mut().unwrap() {
+        if cluster["name"] == "sgl_engines" {
+            let hosts = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"].as_array_mut().unwrap();
+            hosts.retain(|h| h["endpoint"]["address"]["socket_address"]["port_value"] != a_port);
+        }
+    }
+    let staged = live.files.join(".clusters.yaml.stale");
+    fs::write(&staged, serde_json::to_string(&doc).unwrap()).unwrap();
+    fs::rename(&staged, &path).unwrap();
+    let a_host = format!("sgl_engines::127.0.0.1:{}::", live.sim("A").port);
+    wait_for("Envoy to drop A from the engines cluster", Duration::from_secs(10), || {
+        (!live.envoy.admin("/clusters").contains(&a_host)).then_some(())
+    });
+    let served_before = live.sim("B").state()["served"].as_u64();
+    for _ in 0..4 {
+        let r = send(&live.envoy.url("/v1/chat/completions"), "POST", Some(&chat_body("for A only", 2, false)), &[]);
+        assert_eq!(r.status, 503, "{}", r.body);
+    }
+    assert_eq!(live.sim("B").state()["served"].as_u64(), served_before, "another model's engine served nothing");
+}
+
+/// A client that leaves after an update removed its engine (and the settle removed the engine's
+/// cluster): the abort cannot be sent, and is counted as such rather than lost without a trace.
+#[test]
+fn an_abort_to_an_engine_an_update_removed_is_counted_unsent() {
+    use std::io::{Read, Write};
+    let specs = vec![SimSpec::plain("A"), SimSpec { token_delay_ms: 50, ..SimSpec::plain("B") }];
+    let live = Live::start("abort_removed", specs, |sims| router(&[&sims[1]]));
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", live.envoy.port)).unwrap();
+    let body = chat_body("outlive the update", 400, true).to_string();
+    write!(
+        socket,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: sgl\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 200];
+    socket.read_exact(&mut first).unwrap();
+    live.update(&router(&[live.sim("A")]));
+    wait_for("Envoy to drop B's cluster", Duration::from_secs(10), || {
+        (!live.envoy.admin("/clusters").contains("sgl_B::")).then_some(())
+    });
+    assert_eq!(live.sim("B").state()["running"], 1, "B still works on the request");
+    drop(socket);
+    wait_for("the unsent abort counted", Duration::from_secs(10), || {
+        (live.envoy.metric("sgl_router_aborts_unsent_total{stage=\"plain\"}")? == 1.0).then_some(())
+    });
+    assert_eq!(live.envoy.metric("sgl_router_aborts_total{stage=\"plain\"}").unwrap_or(0.0), 0.0, "none sent");
 }
 
 /// In PD the client leaves while the prefill is still running: the prefill engine and the decode
