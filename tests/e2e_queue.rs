@@ -196,8 +196,15 @@ fn a_client_that_leaves_while_queued_is_never_dispatched() {
     sleep(Duration::from_millis(200));
     for id in ["A", "B"] {
         let state = d.sim(id).state();
-        let rids: Vec<&str> = state["recent"].as_array().unwrap().iter().filter_map(|r| r["rid"].as_str()).collect();
-        assert!(!rids.contains(&"gone-while-queued"), "{id} saw the departed request: {rids:?}");
+        let ids: Vec<&str> = state["recent"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r["headers"].as_array().into_iter().flatten())
+            .filter(|h| h[0] == "x-request-id")
+            .filter_map(|h| h[1].as_str())
+            .collect();
+        assert!(!ids.contains(&"gone-while-queued"), "{id} saw the departed request: {ids:?}");
     }
 }
 
