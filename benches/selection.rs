@@ -27,6 +27,7 @@ fn workers(n: usize) -> Vec<Arc<Engine>> {
                 role: Role::Plain,
                 address: EngineAddress { host: "127.0.0.1".into(), port: 1 },
                 cluster: format!("sgl_w{i:04}"),
+                override_host: None,
                 bootstrap_port: None,
                 dp_size: 1,
                 draining: false,

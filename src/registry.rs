@@ -95,7 +95,11 @@ pub struct Engine {
     pub model: String,
     pub role: Role,
     pub address: EngineAddress,
+    /// The Envoy cluster its requests and callouts go to: its own, or the engines' shared one.
     pub cluster: String,
+    /// On a shared cluster (`upstream.mode: override_host`): the header, and its value, that names
+    /// this engine to the cluster's override-host policy. Every callout to it carries it.
+    pub override_host: Option<(Arc<str>, String)>,
     /// SGLang's PD bootstrap port, prefill workers only.
     pub bootstrap_port: Option<u16>,
     pub dp_size: u32,
@@ -104,6 +108,20 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// A callout to this engine: its cluster, its authority, and on a shared cluster the header
+    /// that names it.
+    pub fn callout(&self, method: &str, path: &str, timeout_ms: u64) -> crate::host::CalloutRequest {
+        crate::host::CalloutRequest {
+            cluster: self.cluster.clone(),
+            method: method.to_string(),
+            path: path.to_string(),
+            authority: self.address.host_port(),
+            headers: self.override_host.iter().map(|(h, v)| (h.to_string(), v.clone())).collect(),
+            body: None,
+            timeout_ms,
+        }
+    }
+
     /// Whether the engine is a host of the engines cluster (spec §8): Envoy routes its requests
     /// by address there, and can send one it refused to another. A prefill engine is reached by
     /// callout, and a host named by DNS has no address Envoy's host map knows.
@@ -298,6 +316,7 @@ mod tests {
             role,
             address: EngineAddress { host: "h".into(), port: 1 },
             cluster: format!("sgl_{id}"),
+            override_host: None,
             bootstrap_port: None,
             dp_size: 1,
             draining: id == "D",

@@ -19,6 +19,7 @@ pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Engine> {
         role,
         address: EngineAddress { host: "127.0.0.1".to_string(), port: 1 },
         cluster: format!("sgl_{id}"),
+        override_host: None,
         bootstrap_port: (role == Role::Prefill).then_some(8998),
         dp_size: 1,
         draining: false,

@@ -16,6 +16,20 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 pub use types::*;
 
+/// A service configuration that only names its namespace (spec §10): the service follows the
+/// filter configuration announced there. `None` when `text` is anything else.
+pub fn namespace_only(text: &str) -> Option<Result<String, ConfigErrors>> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NamespaceOnly {
+        namespace: String,
+    }
+    let only: NamespaceOnly = serde_json::from_str(text).ok()?;
+    let mut errors = Vec::new();
+    validate::validate_namespace(Some(&only.namespace), &mut errors);
+    Some(if errors.is_empty() { Ok(only.namespace) } else { Err(ConfigErrors(errors)) })
+}
+
 /// One problem in a configuration, always tied to the field it is about.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{path}: {message}")]
@@ -90,6 +104,38 @@ mod tests {
             ],
             "models": {"m": {"buckets": [{"id": "default", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]}}
         })
+    }
+
+    #[test]
+    fn override_host_names_engines_by_ip_on_one_cluster() {
+        let mut c = minimal();
+        c["upstream"] = json!({"mode": "override_host", "cluster": "outbound|8000||llm.default.svc.cluster.local"});
+        let ok = parse_and_validate(&c.to_string()).unwrap();
+        assert_eq!(ok.upstream.shared_cluster(), Some("outbound|8000||llm.default.svc.cluster.local"));
+        assert_eq!((ok.upstream.header_name(), ok.retry_attempts()), ("x-gateway-destination-endpoint", 1));
+        c["workers"][0]["url"] = json!("http://engine-a.internal:30001");
+        c["workers"][1]["cluster"] = json!("mine");
+        let paths: Vec<String> = parse_and_validate(&c.to_string()).unwrap_err().0.into_iter().map(|e| e.path).collect();
+        assert_eq!(paths, ["workers[0].url", "workers[1].cluster"]);
+        let mut other = minimal();
+        other["upstream"] = json!({"cluster": "x"});
+        let errors = parse_and_validate(&other.to_string()).unwrap_err();
+        assert_eq!(errors.0[0].path, "upstream.cluster", "{errors}");
+    }
+
+    #[test]
+    fn a_namespace_is_a_plugin_names_characters_and_a_service_may_name_only_it() {
+        let mut c = minimal();
+        c["namespace"] = json!("default.sgl-router_1");
+        assert_eq!(parse_and_validate(&c.to_string()).unwrap().namespace.as_deref(), Some("default.sgl-router_1"));
+        for bad in ["a/b", "has space", &"x".repeat(MAX_NAMESPACE_BYTES + 1)] {
+            c["namespace"] = json!(bad);
+            let errors = parse_and_validate(&c.to_string()).unwrap_err();
+            assert!(errors.0.iter().all(|e| e.path == "namespace"), "{bad}: {errors}");
+        }
+        assert_eq!(namespace_only(r#"{"namespace": "pool-a"}"#).unwrap(), Ok("pool-a".to_string()));
+        assert!(namespace_only(r#"{"namespace": "a/b"}"#).unwrap().is_err());
+        assert!(namespace_only(&minimal().to_string()).is_none(), "a whole configuration is not namespace-only");
     }
 
     fn pd() -> Value {

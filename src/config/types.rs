@@ -16,6 +16,11 @@ pub struct RouterConfig {
     /// is followed.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub generation: u64,
+    /// The prefix of every shared-data key and queue this configuration's filter and service use
+    /// (spec §10); absent: Envoy's `plugin_name` of the plugin that reads it. Two configurations in
+    /// one Envoy with different namespaces never see each other's state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
     pub workers: Vec<WorkerConfig>,
     #[serde(default)]
     pub upstream: UpstreamConfig,
@@ -51,6 +56,9 @@ pub struct RouterConfig {
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
+
+/// The longest namespace: it prefixes every shared-data key.
+pub const MAX_NAMESPACE_BYTES: usize = 64;
 
 /// The most requests one model's queue may hold: every VM reads the whole queue on its turns.
 pub const MAX_QUEUE_REQUESTS: u32 = 4_096;
@@ -139,7 +147,7 @@ impl RouterConfig {
     /// How many other engines a request may be sent to after a refused connection.
     pub fn retry_attempts(&self) -> u32 {
         let default = match self.upstream.mode {
-            UpstreamMode::ClusterHeader => 1,
+            UpstreamMode::ClusterHeader | UpstreamMode::OverrideHost => 1,
             UpstreamMode::OriginalDst => 0,
         };
         self.retry.attempts.unwrap_or(default)
@@ -272,6 +280,9 @@ pub enum UpstreamMode {
     #[default]
     ClusterHeader,
     OriginalDst,
+    /// One cluster for every engine, whatever builds it (a mesh's EDS included), whose
+    /// override-host load-balancing policy reads `header` (spec §10).
+    OverrideHost,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
@@ -279,18 +290,30 @@ pub enum UpstreamMode {
 pub struct UpstreamConfig {
     #[serde(default)]
     pub mode: UpstreamMode,
-    /// Defaults by mode: `x-sgl-cluster` or `x-gateway-destination-endpoint`.
+    /// Defaults by mode: `x-sgl-cluster`, else `x-gateway-destination-endpoint`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// `override_host` only: the engines' cluster, which the filter's callouts to engines use
+    /// and `render` routes to; default `sgl_engines`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
 }
+
+/// The cluster of every engine in `override_host` mode when `upstream.cluster` names none.
+pub const DEFAULT_ENGINES_CLUSTER: &str = "sgl_engines";
 
 impl UpstreamConfig {
     pub fn header_name(&self) -> &str {
         match (&self.header, self.mode) {
             (Some(h), _) => h,
             (None, UpstreamMode::ClusterHeader) => "x-sgl-cluster",
-            (None, UpstreamMode::OriginalDst) => "x-gateway-destination-endpoint",
+            (None, UpstreamMode::OriginalDst | UpstreamMode::OverrideHost) => "x-gateway-destination-endpoint",
         }
+    }
+
+    /// `override_host`: the one cluster every engine is reached through.
+    pub fn shared_cluster(&self) -> Option<&str> {
+        (self.mode == UpstreamMode::OverrideHost).then(|| self.cluster.as_deref().unwrap_or(DEFAULT_ENGINES_CLUSTER))
     }
 }
 

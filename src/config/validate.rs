@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::{
     AdmissionLimits, CacheSourceKind, ConfigError, GroupConfig, GroupsConfig, HoldForPrefix, LoadSource, PolicyConfig,
-    QueueConfig, RouterConfig, UpstreamMode, MAX_CLASS_PRIORITY, MAX_QUEUE_CLASSES, MAX_QUEUE_REQUESTS,
-    MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
+    QueueConfig, RouterConfig, UpstreamMode, MAX_CLASS_PRIORITY, MAX_NAMESPACE_BYTES, MAX_QUEUE_CLASSES,
+    MAX_QUEUE_REQUESTS, MAX_QUEUE_WAIT_MS, MAX_RETRY_ATTEMPTS,
 };
 use crate::registry::EngineAddress;
 use crate::registry::Role;
@@ -17,11 +17,23 @@ pub const MAX_INDEXERS: usize = 8;
 
 pub(super) fn validate(config: &RouterConfig) -> Vec<ConfigError> {
     let mut errors = Vec::new();
+    validate_namespace(config.namespace.as_deref(), &mut errors);
     let workers = validate_workers(config, &mut errors);
     validate_sections(config, &mut errors);
     validate_prefix_index(config, &mut errors);
     validate_models(config, &workers, &mut errors);
     errors
+}
+
+/// A namespace is a plugin name's characters (Istio's are `<namespace>.<name>`), at most
+/// [`MAX_NAMESPACE_BYTES`] of them; the empty one names no prefix.
+pub fn validate_namespace(namespace: Option<&str>, errors: &mut Vec<ConfigError>) {
+    let Some(ns) = namespace else { return };
+    if ns.len() > MAX_NAMESPACE_BYTES {
+        errors.push(ConfigError::new("namespace", format!("{} bytes; at most {MAX_NAMESPACE_BYTES}", ns.len())));
+    } else if !ns.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b)) {
+        errors.push(ConfigError::new("namespace", format!("`{ns}`: only letters, digits, `_`, `.` and `-`")));
+    }
 }
 
 fn validate_workers<'a>(config: &'a RouterConfig, errors: &mut Vec<ConfigError>) -> HashMap<&'a str, (&'a str, Role)> {
@@ -201,6 +213,7 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
     if let Some(queue) = &config.queue {
         validate_queue("queue", queue, config, errors);
     }
+    validate_upstream(config, errors);
     if let Some(attempts) = config.retry.attempts {
         if attempts > MAX_RETRY_ATTEMPTS {
             errors.push(ConfigError::new("retry.attempts", format!("at most {MAX_RETRY_ATTEMPTS}, got {attempts}")));
@@ -208,7 +221,39 @@ fn validate_sections(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
         if attempts > 0 && config.upstream.mode == UpstreamMode::OriginalDst {
             errors.push(ConfigError::new(
                 "retry.attempts",
-                "retries need `upstream.mode: cluster_header` (an ORIGINAL_DST cluster sends a retry to the same host); set 0",
+                "retries need `upstream.mode: cluster_header` or `override_host` (an ORIGINAL_DST cluster sends a retry to the same host); set 0",
+            ));
+        }
+    }
+}
+
+/// `override_host` names each engine by its `IP:port` on one cluster: an engine named by DNS has
+/// no address Envoy's host map knows, and a worker's own cluster would be bypassed.
+fn validate_upstream(config: &RouterConfig, errors: &mut Vec<ConfigError>) {
+    let upstream = &config.upstream;
+    if upstream.header.as_deref().is_some_and(str::is_empty) {
+        errors.push(ConfigError::new("upstream.header", "must not be empty"));
+    }
+    if upstream.mode != UpstreamMode::OverrideHost {
+        if upstream.cluster.is_some() {
+            errors.push(ConfigError::new("upstream.cluster", "only with `mode: override_host`"));
+        }
+        return;
+    }
+    if upstream.cluster.as_deref().is_some_and(str::is_empty) {
+        errors.push(ConfigError::new("upstream.cluster", "must not be empty"));
+    }
+    for (i, w) in config.workers.iter().enumerate() {
+        if EngineAddress::parse(&w.url).is_ok_and(|a| a.socket().is_none()) {
+            errors.push(ConfigError::new(
+                format!("workers[{i}].url"),
+                format!("`{}`: `upstream.mode: override_host` names engines by IP address and port", w.url),
+            ));
+        }
+        if w.cluster.is_some() {
+            errors.push(ConfigError::new(
+                format!("workers[{i}].cluster"),
+                "every engine is reached through `upstream.cluster` with `mode: override_host`",
             ));
         }
     }

@@ -917,6 +917,37 @@ mod tests {
         }))
     }
 
+    /// Two router configurations in one VM (one shared-data store), with the same model and the
+    /// same worker ids, in different namespaces: neither sees the other's rotation or in-flight
+    /// counts; a third in the first's namespace shares its state (spec §10).
+    #[test]
+    fn two_namespaces_in_one_vm_keep_apart() {
+        let memory: Arc<dyn Host> = Arc::new(MemoryHost::default());
+        let config = parse_and_validate(
+            &json!({
+                "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+                "retry": {"attempts": 0},
+                "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": "round_robin"}}}}]}},
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let in_namespace = |ns: &str, vm: u64| {
+            let host: Arc<dyn Host> = Arc::new(crate::host::Namespaced::new(Arc::clone(&memory), ns));
+            let (handles, _) = filter_handles(&config, host, vm);
+            AppContext::new(config.clone(), handles)
+        };
+        let (a, b, a_again) = (in_namespace("pool-a", 1), in_namespace("pool-b", 2), in_namespace("pool-a", 3));
+        let (_on_a, to_a) = send(&a, "/v1/chat/completions", CHAT);
+        let (_on_b, to_b) = send(&b, "/v1/chat/completions", CHAT);
+        let (_on_a_again, to_a_again) = send(&a_again, "/v1/chat/completions", CHAT);
+        assert_eq!(upstream(&to_a), Some("sgl_A"));
+        assert_eq!(upstream(&to_b), Some("sgl_A"), "pool-b's rotation is its own");
+        assert_eq!(upstream(&to_a_again), Some("sgl_B"), "pool-a's goes on in its other VM");
+        let _ = (a.sync_shared_now(), b.sync_shared_now(), a_again.sync_shared_now());
+        assert_eq!((inflight(&b, "A"), inflight(&b, "B")), (1, 0), "pool-b counts its one, not pool-a's");
+    }
+
     /// Token-id prompts go to the indexer's `/query`; at most `cap` callouts in flight.
     fn indexed_app(cap: u64) -> AppContext {
         app(json!({

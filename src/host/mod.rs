@@ -39,3 +39,48 @@ pub trait Host: Send + Sync + std::fmt::Debug {
     /// Sends a message to the shared queue `name`, which only the service registers and drains.
     fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError>;
 }
+
+/// A host whose shared-data keys and queue names all live under one namespace (spec §10): two
+/// router configurations in one Envoy, even in one VM, with the same model names and worker ids,
+/// never read each other's state when their namespaces differ.
+#[derive(Debug, Clone)]
+pub struct Namespaced {
+    inner: std::sync::Arc<dyn Host>,
+    namespace: std::sync::Arc<str>,
+}
+
+impl Namespaced {
+    pub fn new(inner: std::sync::Arc<dyn Host>, namespace: &str) -> Self {
+        Self { inner, namespace: std::sync::Arc::from(namespace) }
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+}
+
+impl Host for Namespaced {
+    fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError> {
+        self.inner.shared_get(&crate::state::keys::in_namespace(&self.namespace, key))
+    }
+
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
+        self.inner.shared_set(&crate::state::keys::in_namespace(&self.namespace, key), value, cas)
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.inner.now_ms()
+    }
+
+    fn monotonic_us(&self) -> u64 {
+        self.inner.monotonic_us()
+    }
+
+    fn random_u64(&self) -> u64 {
+        self.inner.random_u64()
+    }
+
+    fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
+        self.inner.enqueue(&crate::state::keys::in_namespace(&self.namespace, name), message)
+    }
+}

@@ -14,7 +14,7 @@ use super::service::Service;
 use super::stats::Stats;
 use crate::config;
 use crate::filter::AppContext;
-use crate::host::Host;
+use crate::host::{Host, Namespaced};
 use crate::policies::cache_aware::LocalCacheSource;
 use crate::state::filter_config::{self, Announced};
 use crate::state::vm_registry;
@@ -30,6 +30,8 @@ pub struct Root {
     /// This root's context id: callouts that outlive a stream are sent on its behalf.
     context_id: u32,
     filter: Option<Rc<RefCell<AppContext>>>,
+    /// The filter's host: its shared data under the configuration's namespace.
+    host: Option<Arc<dyn Host>>,
     stats: Rc<Stats>,
     /// This filter VM's identity for its in-flight shares; kept across `on_configure` calls.
     vm: Option<u64>,
@@ -53,12 +55,17 @@ const DEPTHS_EVERY_MS: u64 = 100;
 /// Wakes per tick at most: a stream whose turn comes because another left is woken in the same tick.
 const TURN_ROUNDS: usize = 8;
 
+fn property(name: &str) -> String {
+    hostcalls::get_property(vec![name]).ok().flatten().and_then(|b| String::from_utf8(b).ok()).unwrap_or_default()
+}
+
 fn root_id() -> String {
-    hostcalls::get_property(vec!["plugin_root_id"])
-        .ok()
-        .flatten()
-        .and_then(|b| String::from_utf8(b).ok())
-        .unwrap_or_default()
+    property("plugin_root_id")
+}
+
+/// The namespace of a configuration that names none (spec §10).
+fn plugin_name() -> String {
+    property("plugin_name")
 }
 
 impl Root {
@@ -81,8 +88,8 @@ impl Root {
 
     /// Tells the service this VM is alive, so its in-flight shares are kept.
     fn heartbeat(&self) {
-        if let Some(vm) = self.vm {
-            match vm_registry::heartbeat(&ProxyHost, vm, ProxyHost.now_ms(), self.serving.get()) {
+        if let (Some(vm), Some(host)) = (self.vm, &self.host) {
+            match vm_registry::heartbeat(host.as_ref(), vm, host.now_ms(), self.serving.get()) {
                 Ok(heartbeat) => {
                     self.slot.set(heartbeat.slot);
                     if let Some(app) = &self.filter {
@@ -131,8 +138,8 @@ impl Root {
         }
     }
 
-    fn start_service(&mut self, own: Option<(config::RouterConfig, String)>) -> bool {
-        let mut service = Service::new(own, Rc::clone(&self.stats));
+    fn start_service(&mut self, own: Option<(config::RouterConfig, String)>, namespace: &str) -> bool {
+        let mut service = Service::new(own, Rc::clone(&self.stats), namespace);
         if let Some(period) = service.new_tick_period() {
             self.set_tick_period(period);
         }
@@ -154,9 +161,20 @@ impl RootContext for Root {
         let raw = self.get_plugin_configuration().unwrap_or_default();
         let text = String::from_utf8_lossy(&raw).into_owned();
         let id = root_id();
-        // The service may go without one: it follows the filter's (spec §8).
-        if id == SERVICE_ROOT_ID && text.trim().is_empty() {
-            return self.start_service(None);
+        // The service may go without one, or name only its namespace: it follows the filter's
+        // (spec §8, §10).
+        if id == SERVICE_ROOT_ID {
+            if text.trim().is_empty() {
+                return self.start_service(None, &plugin_name());
+            }
+            match config::namespace_only(&text) {
+                Some(Ok(namespace)) => return self.start_service(None, &namespace),
+                Some(Err(errors)) => {
+                    log::error!("sgl-envoy-router configuration rejected: {errors}");
+                    return false;
+                }
+                None => {}
+            }
         }
         let parsed = match config::parse_and_validate(&text) {
             Ok(c) => c,
@@ -167,9 +185,11 @@ impl RootContext for Root {
                 return false;
             }
         };
+        let namespace = parsed.namespace.clone().unwrap_or_else(plugin_name);
         match id.as_str() {
             FILTER_ROOT_ID => {
-                let host: Arc<dyn Host> = Arc::new(ProxyHost);
+                let host: Arc<dyn Host> = Arc::new(Namespaced::new(Arc::new(ProxyHost), &namespace));
+                self.host = Some(Arc::clone(&host));
                 match filter_config::announce(host.as_ref(), &text, parsed.generation) {
                     Ok(Announced::Older { followed }) => log::warn!(
                         "this VM runs filter configuration generation {}; the service follows generation {followed}",
@@ -190,7 +210,7 @@ impl RootContext for Root {
                 self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
                 true
             }
-            SERVICE_ROOT_ID => self.start_service(Some((parsed, text))),
+            SERVICE_ROOT_ID => self.start_service(Some((parsed, text)), &namespace),
             other => {
                 log::error!(
                     "sgl-envoy-router: unknown root_id `{other}`; use `{FILTER_ROOT_ID}` for the HTTP filter or `{SERVICE_ROOT_ID}` for the bootstrap service"

@@ -12,7 +12,7 @@ use proxy_wasm::types::{BufferType, MapType};
 use super::host::{dispatch, ProxyHost};
 use super::stats::Stats;
 use crate::config::RouterConfig;
-use crate::host::Host;
+use crate::host::{Host, Namespaced};
 use crate::service::{FollowingService, PollKind};
 use crate::state::keys;
 
@@ -27,8 +27,8 @@ pub struct Service {
 
 impl Service {
     /// `own`: the service's bootstrap configuration and its text, if it has one.
-    pub fn new(own: Option<(RouterConfig, String)>, stats: Rc<Stats>) -> Self {
-        let prefix_queue = match hostcalls::register_shared_queue(keys::PREFIX_QUEUE) {
+    pub fn new(own: Option<(RouterConfig, String)>, stats: Rc<Stats>, namespace: &str) -> Self {
+        let prefix_queue = match hostcalls::register_shared_queue(&keys::in_namespace(namespace, keys::PREFIX_QUEUE)) {
             Ok(id) => Some(id),
             Err(status) => {
                 log::warn!("prefix queue not registered: {status:?}");
@@ -36,7 +36,7 @@ impl Service {
             }
         };
         Self {
-            core: FollowingService::new(own, Arc::new(ProxyHost)),
+            core: FollowingService::new(own, Arc::new(Namespaced::new(Arc::new(ProxyHost), namespace))),
             pending: HashMap::new(),
             prefix_queue,
             stats,

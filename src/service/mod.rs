@@ -138,19 +138,7 @@ impl ServiceCore {
     }
 
     fn poll(&self, kind: PollKind, worker: &Engine, path: &str, timeout_ms: u64) -> PollRequest {
-        PollRequest {
-            kind,
-            generation: self.generation,
-            request: CalloutRequest {
-                cluster: worker.cluster.clone(),
-                method: "GET".to_string(),
-                path: path.to_string(),
-                authority: worker.address.host_port(),
-                headers: Vec::new(),
-                body: None,
-                timeout_ms,
-            },
-        }
+        PollRequest { kind, generation: self.generation, request: worker.callout("GET", path, timeout_ms) }
     }
 
     /// Everything due at `now`: the polls to dispatch, tables published, sweeps run.

@@ -141,6 +141,7 @@ mod tests {
             role: Role::Plain,
             address: EngineAddress { host: "127.0.0.1".to_string(), port: 1 },
             cluster: format!("sgl_{id}"),
+            override_host: None,
             bootstrap_port: None,
             dp_size: 1,
             draining: false,

@@ -89,16 +89,21 @@ pub type Resolvers = HashMap<String, Arc<BucketResolver>>;
 /// The registry's workers, from a validated configuration. A worker whose URL does not parse was
 /// already refused by validation, so it is skipped here rather than failing twice.
 pub fn workers(config: &RouterConfig) -> Vec<Engine> {
+    let shared = config.upstream.shared_cluster();
+    let header: Arc<str> = Arc::from(config.upstream.header_name());
     config
         .workers
         .iter()
         .filter_map(|w| {
+            let address = EngineAddress::parse(&w.url).ok()?;
+            let override_host = shared.and_then(|_| Some((Arc::clone(&header), address.socket()?)));
             Some(Engine {
                 id: w.id.clone(),
                 model: w.model.clone(),
                 role: w.role,
-                address: EngineAddress::parse(&w.url).ok()?,
-                cluster: w.cluster_name(),
+                cluster: shared.map_or_else(|| w.cluster_name(), str::to_string),
+                override_host,
+                address,
                 bootstrap_port: (w.role == Role::Prefill).then(|| w.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT)),
                 dp_size: w.dp_size,
                 draining: w.drain,

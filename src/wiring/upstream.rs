@@ -26,7 +26,7 @@ pub struct UpstreamHeader {
 
 impl UpstreamHeader {
     pub fn new(config: &UpstreamConfig, retries: u32) -> Self {
-        let retries = if config.mode == UpstreamMode::ClusterHeader { retries } else { 0 };
+        let retries = if config.mode == UpstreamMode::OriginalDst { 0 } else { retries };
         Self { mode: config.mode, name: config.header_name().to_string(), retries }
     }
 
@@ -44,11 +44,13 @@ impl UpstreamHeader {
         self.retries > 0 && worker.in_engines_cluster()
     }
 
-    /// `(header, value)`: the engine's cluster, or its `host:port` for an ORIGINAL_DST cluster.
+    /// `(header, value)`: the engine's cluster, or its `host:port` for an ORIGINAL_DST or an
+    /// override-host cluster.
     pub fn for_worker(&self, worker: &Engine) -> (String, String) {
         let value = match self.mode {
             UpstreamMode::ClusterHeader => worker.cluster.clone(),
             UpstreamMode::OriginalDst => worker.address.host_port(),
+            UpstreamMode::OverrideHost => worker.address.socket().unwrap_or_else(|| worker.address.host_port()),
         };
         (self.name.clone(), value)
     }
@@ -69,11 +71,16 @@ impl UpstreamHeader {
             endpoints.push_str(&socket);
             named += 1;
         }
-        vec![
-            (self.name.clone(), ENGINES_CLUSTER.to_string()),
-            (ENDPOINT_HEADER.to_string(), endpoints),
-            (MAX_RETRIES_HEADER.to_string(), named.to_string()),
-        ]
+        let retries = (MAX_RETRIES_HEADER.to_string(), named.to_string());
+        match self.mode {
+            // The route's cluster is the engines' already; the policy reads the list from the header.
+            UpstreamMode::OverrideHost => vec![(self.name.clone(), endpoints), retries],
+            _ => vec![
+                (self.name.clone(), ENGINES_CLUSTER.to_string()),
+                (ENDPOINT_HEADER.to_string(), endpoints),
+                retries,
+            ],
+        }
     }
 }
 
@@ -159,8 +166,28 @@ mod tests {
         let w = crate::testing::worker("A");
         let cluster = UpstreamHeader::new(&UpstreamConfig::default(), 0);
         assert_eq!(cluster.for_worker(&w), ("x-sgl-cluster".to_string(), "sgl_A".to_string()));
-        let dst = UpstreamHeader::new(&UpstreamConfig { mode: UpstreamMode::OriginalDst, header: None }, 1);
+        let dst =
+            UpstreamHeader::new(&UpstreamConfig { mode: UpstreamMode::OriginalDst, ..UpstreamConfig::default() }, 1);
         assert_eq!(dst.retries(), 0, "an ORIGINAL_DST cluster cannot retry elsewhere");
         assert_eq!(dst.for_worker(&w), ("x-gateway-destination-endpoint".to_string(), "127.0.0.1:1".to_string()));
+    }
+
+    #[test]
+    fn override_host_names_the_engine_then_its_fallbacks_in_one_header() {
+        let a = crate::testing::worker("A");
+        let mut b = (*crate::testing::worker("B")).clone();
+        b.address.port = 2;
+        let config = UpstreamConfig { mode: UpstreamMode::OverrideHost, ..UpstreamConfig::default() };
+        let retrying = UpstreamHeader::new(&config, 1);
+        let expected = [("x-gateway-destination-endpoint", "127.0.0.1:1,127.0.0.1:2"), (MAX_RETRIES_HEADER, "1")];
+        assert_eq!(
+            retrying.for_request(&a, &[std::sync::Arc::new(b)]),
+            expected.map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        let once = UpstreamHeader::new(&config, 0);
+        assert_eq!(
+            once.for_request(&a, &[]),
+            [("x-gateway-destination-endpoint".to_string(), "127.0.0.1:1".to_string())]
+        );
     }
 }

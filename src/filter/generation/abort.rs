@@ -14,13 +14,8 @@ const ABORT_TIMEOUT_MS: u64 = 2_000;
 
 /// The abort of request `rid` at `engine`.
 pub fn abort_request(engine: &Engine, rid: &str) -> CalloutRequest {
-    CalloutRequest {
-        cluster: engine.cluster.clone(),
-        method: "POST".to_string(),
-        path: ABORT_PATH.to_string(),
-        authority: engine.address.host_port(),
-        headers: vec![("content-type".to_string(), "application/json".to_string())],
-        body: Some(Arc::new(json!({ "rid": rid }).to_string().into_bytes())),
-        timeout_ms: ABORT_TIMEOUT_MS,
-    }
+    let mut request = engine.callout("POST", ABORT_PATH, ABORT_TIMEOUT_MS);
+    request.headers.push(("content-type".to_string(), "application/json".to_string()));
+    request.body = Some(Arc::new(json!({ "rid": rid }).to_string().into_bytes()));
+    request
 }

@@ -83,15 +83,9 @@ impl PdDispatch {
             Some(body) => Arc::new(body),
             None => Arc::clone(&upstream),
         };
-        let request = CalloutRequest {
-            cluster: self.prefill.cluster.clone(),
-            method: "POST".to_string(),
-            path: self.path.to_string(),
-            authority: self.prefill.address.host_port(),
-            headers,
-            body: Some(prefill),
-            timeout_ms: self.prefill_timeout_ms,
-        };
+        let mut request = self.prefill.callout("POST", self.path, self.prefill_timeout_ms);
+        request.headers.extend(headers);
+        request.body = Some(prefill);
         (request, upstream)
     }
 }

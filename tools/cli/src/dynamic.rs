@@ -15,7 +15,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sgl_envoy_router::config::RouterConfig;
 
-use crate::render::{bootstrap_extension, clusters, http_filter, listener, socket, stats_tags, RenderOptions};
+use crate::render::{
+    bootstrap_extension, clusters, http_filter, listener, plugin_json, socket, stats_tags, with_namespace,
+    RenderOptions,
+};
 use sgl_envoy_router::wiring::upstream::ENGINES_CLUSTER;
 
 pub const BOOTSTRAP: &str = "envoy.yaml";
@@ -41,6 +44,10 @@ pub enum DynamicError {
     Yaml(#[from] serde_yaml_ng::Error),
     #[error("{0} is not from `render --dynamic`: {1}")]
     NotRendered(PathBuf, String),
+    #[error(
+        "the namespace was `{0}` and is `{1}` now: the service follows `{0}`; render the directory again to move it"
+    )]
+    NamespaceChanged(String, String),
     #[error("generation {given} is not above the running configuration's {running}: the service would not follow it")]
     GenerationNotAbove { given: u64, running: u64 },
     #[error(
@@ -131,7 +138,7 @@ fn discovery_response(type_url: &str, resources: &[Value]) -> Value {
 }
 
 pub fn watched(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Watched {
-    let router_json = serde_json::to_string(config).unwrap_or_default();
+    let router_json = plugin_json(config);
     let discovered = json!({
         "name": FILTER_NAME,
         "config_discovery": {"config_source": watched_source(dir, FILTER), "type_urls": [WASM_TYPE]},
@@ -144,12 +151,12 @@ pub fn watched(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Wa
     }
 }
 
-fn bootstrap(options: &RenderOptions, dir: &Path) -> Value {
+fn bootstrap(options: &RenderOptions, dir: &Path, namespace: &str) -> Value {
     json!({
         "node": {"id": "sgl-envoy-router", "cluster": "sgl-envoy-router"},
         "admin": {"address": socket("127.0.0.1", options.admin_port)},
-        // Empty: the service follows the filter's configuration.
-        "bootstrap_extensions": [bootstrap_extension("", options)],
+        // Only the namespace: the service follows the filter configuration announced there.
+        "bootstrap_extensions": [bootstrap_extension(&json!({"namespace": namespace}).to_string(), options)],
         "stats_config": {"stats_tags": stats_tags()},
         "dynamic_resources": {
             "lds_config": watched_source(dir, LISTENERS),
@@ -212,8 +219,14 @@ fn running_config(dir: &Path) -> Option<Value> {
 /// running one; the running one when nothing else changed; else the clock in Unix ms, above the
 /// running one.
 fn stamped(config: &RouterConfig, running: Option<Value>) -> Result<RouterConfig, DynamicError> {
-    let mut config = config.clone();
+    let mut config = with_namespace(config);
     let mut running = running.unwrap_or(Value::Null);
+    // The bootstrap's service was told the namespace once, by `render`.
+    if let (Some(was), Some(now)) = (running["namespace"].as_str(), config.namespace.as_deref()) {
+        if was != now {
+            return Err(DynamicError::NamespaceChanged(was.to_string(), now.to_string()));
+        }
+    }
     let generation = running.get("generation").and_then(Value::as_u64).unwrap_or(0);
     if config.generation != 0 {
         if config.generation <= generation {
@@ -241,14 +254,22 @@ fn write_clusters(dir: &Path, clusters: &[Value]) -> Result<bool, DynamicError> 
 pub fn render_dynamic(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Result<PathBuf, DynamicError> {
     let dir = absolute(dir)?;
     let _lock = lock(&dir)?;
-    let config = stamped(config, running_config(&dir))?;
+    // Rendering writes the service's namespace too: it may move.
+    let running = running_config(&dir).map(|mut r| {
+        if let Some(map) = r.as_object_mut() {
+            map.remove("namespace");
+        }
+        r
+    });
+    let config = stamped(config, running)?;
     let files = watched(&config, options, &dir);
     let saved = serde_json::to_string_pretty(&SavedOptions::from(options)).unwrap_or_default();
     replace(&dir, OPTIONS, &saved)?;
     write_clusters(&dir, &files.clusters)?;
     replace(&dir, FILTER, &yaml(&files.filter, "The router filter's configuration (ECDS)")?)?;
     replace(&dir, LISTENERS, &yaml(&files.listeners, "The listener")?)?;
-    replace(&dir, BOOTSTRAP, &yaml(&bootstrap(options, &dir), "Envoy's bootstrap")?)?;
+    let namespace = config.namespace.as_deref().unwrap_or_default();
+    replace(&dir, BOOTSTRAP, &yaml(&bootstrap(options, &dir, namespace), "Envoy's bootstrap")?)?;
     Ok(dir.join(BOOTSTRAP))
 }
 
@@ -305,6 +326,8 @@ pub fn update(config: &RouterConfig, dir: &Path, settle: Duration, confirm: Conf
         clusters_removed: old_names.iter().filter(|n| !new_names.contains(n)).cloned().collect(),
         ..Updated::default()
     };
+    // The cluster routed by address: its old hosts stay until the settle, its new ones are awaited.
+    let engines = config.upstream.shared_cluster().unwrap_or(ENGINES_CLUSTER);
     let kept_old =
         old.iter().filter(|c| c["name"].as_str().is_some_and(|n| report.clusters_removed.iter().any(|r| r == n)));
     // Until the filter names only the new engines, the old ones stay reachable: their clusters,
@@ -312,7 +335,7 @@ pub fn update(config: &RouterConfig, dir: &Path, settle: Duration, confirm: Conf
     let union: Vec<Value> = files
         .clusters
         .iter()
-        .map(|c| match old.iter().find(|o| o["name"] == c["name"] && c["name"] == ENGINES_CLUSTER) {
+        .map(|c| match old.iter().find(|o| o["name"] == c["name"] && c["name"] == engines) {
             Some(previous) => with_hosts_of(c, previous),
             None => c.clone(),
         })
@@ -331,12 +354,11 @@ pub fn update(config: &RouterConfig, dir: &Path, settle: Duration, confirm: Conf
         .filter(|n| !cluster_names(&running).contains(n))
         .map(|n| format!("{n}::"))
         .collect();
-    let old_engines = running.iter().find(|c| c["name"] == ENGINES_CLUSTER);
-    if let Some(engines) = files.clusters.iter().find(|c| c["name"] == ENGINES_CLUSTER) {
+    let old_engines = running.iter().find(|c| c["name"] == engines);
+    if let Some(shared) = files.clusters.iter().find(|c| c["name"] == engines) {
         let before = old_engines.map(hosts_of).unwrap_or_default();
-        awaited.extend(
-            hosts_of(engines).into_iter().filter(|h| !before.contains(h)).map(|h| format!("{ENGINES_CLUSTER}::{h}::")),
-        );
+        awaited
+            .extend(hosts_of(shared).into_iter().filter(|h| !before.contains(h)).map(|h| format!("{engines}::{h}::")));
     }
     write_clusters(&dir, &union)?;
     if !awaited.is_empty() && confirm == Confirm::WithEnvoy {
@@ -574,6 +596,26 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().ends_with(".new"))
             .collect();
         assert!(leftovers.is_empty(), "{leftovers:?}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// The filter's and the service's plugin names differ: both are told one namespace, and an
+    /// update cannot move it (the service was told it once).
+    #[test]
+    fn render_names_one_namespace_for_filter_and_service_and_update_keeps_it() {
+        let dir = scratch("namespace");
+        let options = RenderOptions { admin_port: 1, ..RenderOptions::default() };
+        let bootstrap = render_dynamic(&config(&["A"]), &options, &dir).unwrap();
+        assert!(fs::read_to_string(bootstrap).unwrap().contains(r#"value: '{"namespace":"sgl_router"}'"#));
+        assert_eq!(running_config(&dir).unwrap()["namespace"], "sgl_router");
+        let mut moved = config(&["A"]);
+        moved.namespace = Some("pool-b".to_string());
+        let refused = update(&moved, &dir, Duration::ZERO, Confirm::Offline);
+        assert!(
+            matches!(refused, Err(DynamicError::NamespaceChanged(ref was, ref now)) if was == "sgl_router" && now == "pool-b")
+        );
+        render_dynamic(&moved, &options, &dir).unwrap();
+        assert_eq!(running_config(&dir).unwrap()["namespace"], "pool-b", "render moves it");
         let _ = fs::remove_dir_all(&dir);
     }
 }

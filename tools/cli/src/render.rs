@@ -10,6 +10,22 @@ use sgl_envoy_router::wiring::upstream::{ENDPOINT_HEADER, ENGINES_CLUSTER};
 
 pub const DEFAULT_WASM: &str = "target/wasm32-wasip1/release/sgl_envoy_router.wasm";
 const VM_ID: &str = "sgl_router";
+/// The filter plugin's name and root id, and the namespace `render` writes when the router
+/// configuration names none: the filter's and the service's plugin names differ, so each is told
+/// the one namespace (spec §10).
+pub(crate) const FILTER_PLUGIN: &str = "sgl_router";
+
+/// The router configuration as the plugins get it: every default spelled out, the namespace named.
+pub(crate) fn plugin_json(config: &RouterConfig) -> String {
+    serde_json::to_string(&with_namespace(config)).unwrap_or_default()
+}
+
+/// `config` with its namespace named.
+pub(crate) fn with_namespace(config: &RouterConfig) -> RouterConfig {
+    let mut config = config.clone();
+    config.namespace.get_or_insert_with(|| FILTER_PLUGIN.to_string());
+    config
+}
 /// Above the filter's own 32 MiB limit, so the filter answers 413 itself.
 const BUFFER_LIMIT_BYTES: u64 = 40 * 1024 * 1024;
 const ORIGINAL_DST_CLUSTER: &str = "sgl_original_dst";
@@ -43,7 +59,7 @@ pub fn render(config: &RouterConfig, options: &RenderOptions) -> Result<String, 
 /// where it goes: the HTTP filter entry, the routes, the clusters, the bootstrap service with the
 /// same `vm_id`, and the stats labels.
 pub fn render_snippet(config: &RouterConfig, options: &RenderOptions) -> Result<String, serde_yaml_ng::Error> {
-    let router_json = serde_json::to_string(config).unwrap_or_default();
+    let router_json = plugin_json(config);
     let part = |key: &str, value: Value| serde_yaml_ng::to_string(&json!({ key: value }));
     let mut out = String::from(
         "# sgl-envoy-router for an existing Envoy (`render --snippet`): merge each part where its comment says.\n\
@@ -79,16 +95,17 @@ pub(crate) fn http_filter(router_json: &str, options: &RenderOptions) -> Value {
         "name": "envoy.filters.http.wasm",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": plugin("sgl_router", router_json, options, true),
+            "config": plugin(FILTER_PLUGIN, router_json, options, true),
         }
     })
 }
 
 /// Every generation endpoint goes to the engine the filter picks.
 fn generation_routes(config: &RouterConfig) -> Vec<Value> {
-    let mut route = match config.upstream.mode {
-        UpstreamMode::ClusterHeader => json!({"cluster_header": config.upstream.header_name()}),
-        UpstreamMode::OriginalDst => json!({"cluster": ORIGINAL_DST_CLUSTER}),
+    let mut route = match (config.upstream.mode, config.upstream.shared_cluster()) {
+        (_, Some(shared)) => json!({"cluster": shared}),
+        (UpstreamMode::OriginalDst, None) => json!({"cluster": ORIGINAL_DST_CLUSTER}),
+        (_, None) => json!({"cluster_header": config.upstream.header_name()}),
     };
     // 0s = no route timeout: generations can run for minutes (Envoy's default would cut at 15 s).
     route["timeout"] = json!(duration(config.timeouts.request_ms));
@@ -119,8 +136,7 @@ pub(crate) fn stats_tags() -> Value {
 }
 
 fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
-    // The plugin gets the configuration with every default spelled out.
-    let router_json = serde_json::to_string(config).unwrap_or_default();
+    let router_json = plugin_json(config);
     json!({
         "admin": {
             "address": socket("127.0.0.1", options.admin_port),
@@ -274,19 +290,29 @@ fn static_cluster(name: &str, address: &EngineAddress) -> Value {
     })
 }
 
-/// Whether requests are routed through [`ENGINES_CLUSTER`], so Envoy can retry them elsewhere.
+/// Whether requests may be routed through an engines cluster, so Envoy can retry them elsewhere.
 fn has_engines_cluster(config: &RouterConfig) -> bool {
-    config.upstream.mode == UpstreamMode::ClusterHeader
-        && config.retry_attempts() > 0
-        && factory::registry(config).all().iter().any(|w| w.in_engines_cluster())
+    config.retry_attempts() > 0
+        && match config.upstream.mode {
+            UpstreamMode::ClusterHeader => factory::registry(config).all().iter().any(|w| w.in_engines_cluster()),
+            UpstreamMode::OverrideHost => true,
+            UpstreamMode::OriginalDst => false,
+        }
 }
 
-/// Every plain and decode engine with an IP address, routed by the address the filter names
-/// (Envoy's override-host policy reads the engine, then its fallbacks, from one header).
+/// Engines routed by the address the filter names (Envoy's override-host policy reads the engine,
+/// then its fallbacks, from one header): with `cluster_header`, [`ENGINES_CLUSTER`] of every plain
+/// and decode engine with an IP address, beside their own clusters; with `override_host`, the one
+/// cluster of every engine, reached by requests and callouts alike.
 fn engines_cluster(config: &RouterConfig) -> Value {
     let registry = factory::registry(config);
+    let (name, header) = match config.upstream.shared_cluster() {
+        Some(shared) => (shared, config.upstream.header_name()),
+        None => (ENGINES_CLUSTER, ENDPOINT_HEADER),
+    };
+    let shared = config.upstream.shared_cluster().is_some();
     let mut sockets: Vec<String> =
-        registry.all().iter().filter(|w| w.in_engines_cluster()).filter_map(|w| w.address.socket()).collect();
+        registry.all().iter().filter(|w| shared || w.in_engines_cluster()).filter_map(|w| w.address.socket()).collect();
     sockets.sort();
     sockets.dedup();
     let endpoints: Vec<Value> = sockets
@@ -298,17 +324,17 @@ fn engines_cluster(config: &RouterConfig) -> Value {
     // Every request of an engine that just died is retried at once.
     breakers["thresholds"][0]["max_retries"] = json!(100000);
     json!({
-        "name": ENGINES_CLUSTER,
+        "name": name,
         "type": "STATIC",
         "connect_timeout": "5s",
         "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
         "circuit_breakers": breakers,
-        "load_assignment": {"cluster_name": ENGINES_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
         "load_balancing_policy": {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                "override_host_sources": [{"header": ENDPOINT_HEADER}],
+                "override_host_sources": [{"header": header}],
                 // No address the filter named is in the cluster (a stale cluster, an update Envoy
                 // has not taken up): no host, a 503, never another model's or role's engine.
                 "fallback_policy": {"policies": [{"typed_extension_config": refusing_policy()}]},
@@ -336,8 +362,12 @@ fn refusing_policy() -> Value {
 
 pub(crate) fn clusters(config: &RouterConfig) -> Vec<Value> {
     let registry = factory::registry(config);
-    let mut clusters: Vec<Value> = registry.all().iter().map(|w| static_cluster(&w.cluster, &w.address)).collect();
-    if has_engines_cluster(config) {
+    let mut clusters: Vec<Value> = if config.upstream.shared_cluster().is_some() {
+        vec![engines_cluster(config)]
+    } else {
+        registry.all().iter().map(|w| static_cluster(&w.cluster, &w.address)).collect()
+    };
+    if config.upstream.shared_cluster().is_none() && has_engines_cluster(config) {
         clusters.push(engines_cluster(config));
     }
     // The indexers the filter asks once per request (spec §7): a cluster each, so the filter
