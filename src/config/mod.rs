@@ -115,7 +115,8 @@ mod tests {
         assert_eq!((ok.upstream.header_name(), ok.retry_attempts()), ("x-gateway-destination-endpoint", 1));
         c["workers"][0]["url"] = json!("http://engine-a.internal:30001");
         c["workers"][1]["cluster"] = json!("mine");
-        let paths: Vec<String> = parse_and_validate(&c.to_string()).unwrap_err().0.into_iter().map(|e| e.path).collect();
+        let paths: Vec<String> =
+            parse_and_validate(&c.to_string()).unwrap_err().0.into_iter().map(|e| e.path).collect();
         assert_eq!(paths, ["workers[0].url", "workers[1].cluster"]);
         let mut other = minimal();
         other["upstream"] = json!({"cluster": "x"});
