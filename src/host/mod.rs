@@ -40,6 +40,16 @@ pub trait Host: Send + Sync + std::fmt::Debug {
     fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError>;
 }
 
+/// `key` (a shared-data key or a queue name) under `namespace` (spec §10); the empty namespace is
+/// the key itself.
+pub fn in_namespace(namespace: &str, key: &str) -> String {
+    if namespace.is_empty() {
+        key.to_string()
+    } else {
+        format!("{namespace}/{key}")
+    }
+}
+
 /// A host whose shared-data keys and queue names all live under one namespace (spec §10): two
 /// router configurations in one Envoy, even in one VM, with the same model names and worker ids,
 /// never read each other's state when their namespaces differ.
@@ -61,11 +71,11 @@ impl Namespaced {
 
 impl Host for Namespaced {
     fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError> {
-        self.inner.shared_get(&crate::state::keys::in_namespace(&self.namespace, key))
+        self.inner.shared_get(&in_namespace(&self.namespace, key))
     }
 
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
-        self.inner.shared_set(&crate::state::keys::in_namespace(&self.namespace, key), value, cas)
+        self.inner.shared_set(&in_namespace(&self.namespace, key), value, cas)
     }
 
     fn now_ms(&self) -> u64 {
@@ -81,6 +91,6 @@ impl Host for Namespaced {
     }
 
     fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
-        self.inner.enqueue(&crate::state::keys::in_namespace(&self.namespace, name), message)
+        self.inner.enqueue(&in_namespace(&self.namespace, name), message)
     }
 }

@@ -12,7 +12,7 @@ use proxy_wasm::types::{BufferType, MapType};
 use super::host::{dispatch, ProxyHost};
 use super::stats::Stats;
 use crate::config::RouterConfig;
-use crate::host::{Host, Namespaced};
+use crate::host::{in_namespace, Host, Namespaced};
 use crate::service::{FollowingService, PollKind};
 use crate::state::keys;
 
@@ -28,7 +28,7 @@ pub struct Service {
 impl Service {
     /// `own`: the service's bootstrap configuration and its text, if it has one.
     pub fn new(own: Option<(RouterConfig, String)>, stats: Rc<Stats>, namespace: &str) -> Self {
-        let prefix_queue = match hostcalls::register_shared_queue(&keys::in_namespace(namespace, keys::PREFIX_QUEUE)) {
+        let prefix_queue = match hostcalls::register_shared_queue(&in_namespace(namespace, keys::PREFIX_QUEUE)) {
             Ok(id) => Some(id),
             Err(status) => {
                 log::warn!("prefix queue not registered: {status:?}");

@@ -1,15 +1,6 @@
 //! Names of the shared-data keys. All are fixed or bounded by the configuration; none is created
 //! per request or per session, because shared data can never delete a key.
 
-/// `key` under `namespace` (spec §10); the empty namespace is the key itself.
-pub fn in_namespace(namespace: &str, key: &str) -> String {
-    if namespace.is_empty() {
-        key.to_string()
-    } else {
-        format!("{namespace}/{key}")
-    }
-}
-
 pub const HEALTH_TABLE: &str = "sgl.health";
 
 /// The round-robin cursor of one policy instance (model / bucket / stage).
