@@ -93,3 +93,46 @@ fn override_host_routes_a_pd_pair() {
     }
     assert_eq!(d.sim("P1").state()["served"], 3, "every prefill reached P1");
 }
+
+/// No bootstrap service (`service.mode: embedded`), two worker threads: a filter VM takes the
+/// service lease and does its work. Health takes an engine out and brings it back, and admission
+/// caps of one request per engine hold across both threads.
+#[test]
+fn an_embedded_service_checks_health_and_caps_hold_across_threads() {
+    let specs = vec![
+        SimSpec { token_delay_ms: 20, ..SimSpec::plain("A") },
+        SimSpec { token_delay_ms: 20, ..SimSpec::plain("B") },
+    ];
+    let d = Deployment::start_on("mesh_embedded", 2, specs, |sims| {
+        let mut router = plain_router(sims);
+        router["service"] = json!({"mode": "embedded"});
+        router["health"] = json!({"interval_ms": 200, "failure_threshold": 2, "success_threshold": 1});
+        router["models"]["demo-model"]["buckets"][0]["groups"]["plain"]["policy"] =
+            json!({"type": "round_robin", "admission": {"max_inflight_requests": 1}});
+        router
+    });
+    let bootstrap = std::fs::read_to_string(d.dir.join("envoy.yaml")).unwrap_or_default();
+    assert!(!bootstrap.contains("sgl_router_service"), "no bootstrap service");
+    d.wait_for_service(2);
+    assert!(d.envoy.log_text().contains("this filter VM does the service's work"));
+
+    d.sim("A").control(json!({"health": {"status": 503}}));
+    wait_for("A out of rotation", Duration::from_secs(15), || (served_by(&d, 4).get("B") == Some(&4)).then_some(()));
+    d.sim("A").control(json!({"health": {"status": null}}));
+    wait_for("A back", Duration::from_secs(15), || served_by(&d, 4).contains_key("A").then_some(()));
+
+    // Six long requests at once over both threads: one per engine runs, the rest are refused.
+    let clients = d.two_vm_clients();
+    let answers: Vec<u16> = std::thread::scope(|s| {
+        let running: Vec<_> = (0..6)
+            .map(|i| {
+                let client = &clients[i % 2];
+                let d = &d;
+                s.spawn(move || d.chat_on(client, &chat_body(&format!("cap {i}"), 40, false), &[]).status)
+            })
+            .collect();
+        running.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ok = answers.iter().filter(|s| **s == 200).count();
+    assert_eq!(ok, 2, "one per engine, whichever thread decided: {answers:?}");
+}

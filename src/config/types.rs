@@ -21,6 +21,9 @@ pub struct RouterConfig {
     /// one Envoy with different namespaces never see each other's state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Who does the service's work (spec §10).
+    #[serde(default, skip_serializing_if = "ServiceConfig::is_default")]
+    pub service: ServiceConfig,
     pub workers: Vec<WorkerConfig>,
     #[serde(default)]
     pub upstream: UpstreamConfig,
@@ -55,6 +58,32 @@ pub struct RouterConfig {
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+/// Who does the service's work: health checks, load polls, the prefix and affinity tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    #[serde(default)]
+    pub mode: ServiceMode,
+}
+
+impl ServiceConfig {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServiceMode {
+    /// A filter VM elected through a lease, stepping aside while a singleton lives.
+    #[default]
+    Auto,
+    /// The bootstrap service only: filter VMs never take the work.
+    Singleton,
+    /// A filter VM elected through a lease; a singleton, if one runs, stays idle.
+    Embedded,
 }
 
 /// The longest namespace: it prefixes every shared-data key.

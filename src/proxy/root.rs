@@ -13,10 +13,12 @@ use super::host::ProxyHost;
 use super::service::Service;
 use super::stats::Stats;
 use crate::config;
+use crate::config::ServiceMode;
 use crate::filter::AppContext;
 use crate::host::{Host, Namespaced};
 use crate::policies::cache_aware::LocalCacheSource;
 use crate::state::filter_config::{self, Announced};
+use crate::state::lease::{self, Claimant};
 use crate::state::vm_registry;
 use crate::wiring::counters::{queue_bytes, queue_depth};
 use crate::wiring::factory::filter_handles;
@@ -138,10 +140,46 @@ impl Root {
         }
     }
 
+    /// A filter VM's turn at the service lease (spec §10): it runs the service while it holds
+    /// the lease, and stops when another (the singleton, or a VM that took over) does.
+    fn take_or_leave_the_service(&mut self, app: &Rc<RefCell<AppContext>>, now: u64) {
+        let (Some(vm), Some(host)) = (self.vm, self.host.clone()) else { return };
+        let config = app.borrow().config().clone();
+        let holds = config.service.mode != ServiceMode::Singleton
+            && lease::claim(host.as_ref(), vm, Claimant::Filter { serving: self.serving.get() }, now).unwrap_or_else(
+                |e| {
+                    log::warn!("service lease not claimed: {e}");
+                    false
+                },
+            );
+        match (holds, self.service.is_some()) {
+            (true, false) => {
+                log::info!("this filter VM does the service's work (lease taken)");
+                let namespace = config.namespace.clone().unwrap_or_else(plugin_name);
+                self.start_service(None, &namespace);
+            }
+            (false, true) => {
+                log::info!("this filter VM leaves the service's work (lease held elsewhere)");
+                self.service = None;
+                self.set_tick_period(self.idle_tick());
+            }
+            _ => {}
+        }
+    }
+
+    /// The tick of a VM with no stream waiting: the service's while it runs one, else the
+    /// heartbeat.
+    fn idle_tick(&self) -> Duration {
+        self.service.as_ref().map_or(Duration::from_millis(vm_registry::HEARTBEAT_MS), Service::tick_period)
+    }
+
     fn start_service(&mut self, own: Option<(config::RouterConfig, String)>, namespace: &str) -> bool {
-        let mut service = Service::new(own, Rc::clone(&self.stats), namespace);
+        let singleton = self.filter.is_none();
+        let mut service = Service::new(own, Rc::clone(&self.stats), namespace, singleton);
         if let Some(period) = service.new_tick_period() {
-            self.set_tick_period(period);
+            if !self.waiters.fast_tick.get() {
+                self.set_tick_period(period);
+            }
         }
         self.service = Some(service);
         true
@@ -230,7 +268,9 @@ impl RootContext for Root {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
             if let Some(period) = service.new_tick_period() {
-                self.set_tick_period(period);
+                if !self.waiters.fast_tick.get() {
+                    self.set_tick_period(period);
+                }
             }
         }
         if let Some(app) = self.filter.clone() {
@@ -248,7 +288,7 @@ impl RootContext for Root {
             }
             let still_waiting = !app.borrow().waiting().is_empty();
             if still_waiting != self.waiters.fast_tick.replace(still_waiting) {
-                let period = if still_waiting { QUEUE_TICK } else { Duration::from_millis(vm_registry::HEARTBEAT_MS) };
+                let period = if still_waiting { QUEUE_TICK } else { self.idle_tick() };
                 self.set_tick_period(period);
             }
             if now.saturating_sub(self.last_heartbeat_ms.get()) < vm_registry::HEARTBEAT_MS {
@@ -259,6 +299,7 @@ impl RootContext for Root {
             let due = app.borrow().sync_shared_now();
             self.stats.count_all(&due);
             self.heartbeat();
+            self.take_or_leave_the_service(&app, now);
             self.export_replica();
             let unmonitored = app.borrow().unmonitored_workers() as u64;
             self.stats.gauge("sgl_router_unmonitored_workers", unmonitored);

@@ -27,7 +27,8 @@ pub struct Service {
 
 impl Service {
     /// `own`: the service's bootstrap configuration and its text, if it has one.
-    pub fn new(own: Option<(RouterConfig, String)>, stats: Rc<Stats>, namespace: &str) -> Self {
+    /// `singleton`: the bootstrap service (else a filter VM that holds the service lease).
+    pub fn new(own: Option<(RouterConfig, String)>, stats: Rc<Stats>, namespace: &str, singleton: bool) -> Self {
         let prefix_queue = match hostcalls::register_shared_queue(&in_namespace(namespace, keys::PREFIX_QUEUE)) {
             Ok(id) => Some(id),
             Err(status) => {
@@ -36,7 +37,7 @@ impl Service {
             }
         };
         Self {
-            core: FollowingService::new(own, Arc::new(Namespaced::new(Arc::new(ProxyHost), namespace))),
+            core: FollowingService::new(own, Arc::new(Namespaced::new(Arc::new(ProxyHost), namespace)), singleton),
             pending: HashMap::new(),
             prefix_queue,
             stats,

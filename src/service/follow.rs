@@ -5,9 +5,11 @@
 use std::sync::Arc;
 
 use super::{PollKind, ServiceCore, TickPlan, TICK_MS};
-use crate::config::{self, RouterConfig};
+use crate::config::{self, RouterConfig, ServiceMode};
 use crate::host::Host;
 use crate::state::filter_config::AnnouncedReader;
+use crate::state::lease::{self, Claimant};
+use crate::state::vm_registry::HEARTBEAT_MS;
 
 pub struct FollowingService {
     host: Arc<dyn Host>,
@@ -15,18 +17,51 @@ pub struct FollowingService {
     /// The configuration text the core runs on.
     followed: Option<String>,
     core: Option<ServiceCore>,
+    /// The bootstrap singleton's id at the service lease; `None` for a filter VM elected to run
+    /// the service (its filter root claims the lease).
+    singleton: Option<u64>,
+    /// The singleton's last turn at the lease, and whether it held it then.
+    lease_turn: (u64, bool),
 }
 
 impl FollowingService {
-    /// `own` is the service's bootstrap configuration with its text, if it has one.
-    pub fn new(own: Option<(RouterConfig, String)>, host: Arc<dyn Host>) -> Self {
+    /// `own` is the service's bootstrap configuration with its text, if it has one; `singleton`
+    /// whether this is the bootstrap service (else a filter VM that holds the lease runs it).
+    pub fn new(own: Option<(RouterConfig, String)>, host: Arc<dyn Host>, singleton: bool) -> Self {
         let (core, followed) = match own {
             Some((config, text)) => (Some(ServiceCore::new(config, Arc::clone(&host))), Some(text)),
             None => (None, None),
         };
-        let mut service = Self { host, announced: AnnouncedReader::default(), followed, core };
+        let singleton = singleton.then(|| host.random_u64());
+        let mut service =
+            Self { host, announced: AnnouncedReader::default(), followed, core, singleton, lease_turn: (0, false) };
         service.follow();
         service
+    }
+
+    /// Whether the singleton does the work now: it holds the lease (it always takes it), unless
+    /// the configuration it follows leaves the work to the filter VMs (`service.mode: embedded`).
+    /// Asked once per heartbeat.
+    fn works(&mut self, now: u64) -> bool {
+        let Some(me) = self.singleton else { return true };
+        let (at, working) = self.lease_turn;
+        if at != 0 && now.saturating_sub(at) < HEARTBEAT_MS {
+            return working;
+        }
+        let embedded = self.core.as_ref().is_some_and(|c| c.config().service.mode == ServiceMode::Embedded);
+        let working = !embedded
+            && lease::claim(self.host.as_ref(), me, Claimant::Singleton, now).unwrap_or_else(|e| {
+                log::warn!("service lease not claimed: {e}");
+                true
+            });
+        if working != self.lease_turn.1 || at == 0 {
+            log::info!(
+                "the bootstrap service {} the service's work",
+                if working { "does" } else { "leaves the filter VMs" }
+            );
+        }
+        self.lease_turn = (now.max(1), working);
+        working
     }
 
     /// Takes up a configuration announced since the last look. One that does not validate (it
@@ -60,9 +95,13 @@ impl FollowingService {
         self.core.as_ref().map_or(TICK_MS, ServiceCore::tick_period_ms)
     }
 
-    /// Follows the newest configuration, then everything due at `now`.
+    /// Follows the newest configuration, then everything due at `now` when this service does the
+    /// work.
     pub fn tick(&mut self, now: u64) -> TickPlan {
         self.follow();
+        if !self.works(now) {
+            return TickPlan::default();
+        }
         self.core.as_mut().map(|core| core.tick(now)).unwrap_or_default()
     }
 

@@ -352,6 +352,7 @@ impl ServiceCore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ServiceMode;
     use crate::host::MemoryHost;
     use crate::state::health::HealthTable;
     use crate::state::load_monitor::{LoadView, SharedLoadView};
@@ -505,7 +506,7 @@ mod tests {
     #[test]
     fn the_service_follows_the_announced_filter_configuration() {
         let host = Arc::new(MemoryHost::default());
-        let mut service = FollowingService::new(None, host.clone());
+        let mut service = FollowingService::new(None, host.clone(), true);
         assert!(service.tick(0).polls.is_empty(), "nothing to monitor yet");
         let text = |workers: &[&str]| serde_json::to_string(&config_of(workers)).unwrap();
         crate::state::filter_config::announce(host.as_ref(), &text(&["A"]), 0).unwrap();
@@ -521,13 +522,28 @@ mod tests {
         assert_eq!(health(&host).monitored, ["A", "B"]);
     }
 
+    /// A bootstrap service whose filter configuration leaves the work to the filter VMs
+    /// (`service.mode: embedded`) polls nothing; in `auto` it takes the lease and works.
+    #[test]
+    fn the_singleton_stays_idle_when_the_configuration_embeds_the_service() {
+        for (mode, polls) in [("embedded", false), ("auto", true)] {
+            let host = Arc::new(MemoryHost::default());
+            let mut service = FollowingService::new(None, host.clone(), true);
+            let mut config = config_of(&["A"]);
+            config.service.mode = if mode == "embedded" { ServiceMode::Embedded } else { ServiceMode::Auto };
+            let text = serde_json::to_string(&config).unwrap();
+            crate::state::filter_config::announce(host.as_ref(), &text, 0).unwrap();
+            assert_eq!(!service.tick(1).polls.is_empty(), polls, "{mode}");
+        }
+    }
+
     /// The crash-reload case: a filter VM reloaded on the configuration it started with announces
     /// it again after the newer one. The service keeps monitoring the newer configuration's
     /// engines; before generations it went back, and the newer engines were taken out of service.
     #[test]
     fn a_vm_reloaded_on_an_older_configuration_does_not_take_the_service_back() {
         let host = Arc::new(MemoryHost::default());
-        let mut service = FollowingService::new(None, host.clone());
+        let mut service = FollowingService::new(None, host.clone(), true);
         let text = |generation: u64, workers: &[&str]| {
             let mut config = config_of(workers);
             config.generation = generation;

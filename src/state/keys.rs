@@ -55,6 +55,9 @@ pub fn prefix_log_slot(slot: u64) -> String {
     format!("sgl.prefix.log.{slot}")
 }
 
+/// Which VM does the service's work: the singleton, or the filter VM elected (spec §10).
+pub const SERVICE_LEASE: &str = "sgl.service.lease";
+
 /// The filter configuration announced last, which the service follows.
 pub const FILTER_CONFIG: &str = "sgl.filter_config";
 

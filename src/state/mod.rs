@@ -6,6 +6,7 @@ pub mod breaker;
 pub mod filter_config;
 pub mod health;
 pub mod keys;
+pub mod lease;
 pub mod load_monitor;
 pub mod prefix;
 pub mod schedule;

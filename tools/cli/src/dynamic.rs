@@ -16,8 +16,7 @@ use serde_json::{json, Value};
 use sgl_envoy_router::config::RouterConfig;
 
 use crate::render::{
-    bootstrap_extension, clusters, http_filter, listener, plugin_json, socket, stats_tags, with_namespace,
-    RenderOptions,
+    clusters, http_filter, listener, plugin_json, service_extensions, socket, stats_tags, with_namespace, RenderOptions,
 };
 use sgl_envoy_router::wiring::upstream::ENGINES_CLUSTER;
 
@@ -151,12 +150,13 @@ pub fn watched(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Wa
     }
 }
 
-fn bootstrap(options: &RenderOptions, dir: &Path, namespace: &str) -> Value {
+fn bootstrap(config: &RouterConfig, options: &RenderOptions, dir: &Path) -> Value {
+    let namespace = config.namespace.as_deref().unwrap_or_default();
     json!({
         "node": {"id": "sgl-envoy-router", "cluster": "sgl-envoy-router"},
         "admin": {"address": socket("127.0.0.1", options.admin_port)},
         // Only the namespace: the service follows the filter configuration announced there.
-        "bootstrap_extensions": [bootstrap_extension(&json!({"namespace": namespace}).to_string(), options)],
+        "bootstrap_extensions": service_extensions(config, &json!({"namespace": namespace}).to_string(), options),
         "stats_config": {"stats_tags": stats_tags()},
         "dynamic_resources": {
             "lds_config": watched_source(dir, LISTENERS),
@@ -268,8 +268,7 @@ pub fn render_dynamic(config: &RouterConfig, options: &RenderOptions, dir: &Path
     write_clusters(&dir, &files.clusters)?;
     replace(&dir, FILTER, &yaml(&files.filter, "The router filter's configuration (ECDS)")?)?;
     replace(&dir, LISTENERS, &yaml(&files.listeners, "The listener")?)?;
-    let namespace = config.namespace.as_deref().unwrap_or_default();
-    replace(&dir, BOOTSTRAP, &yaml(&bootstrap(options, &dir, namespace), "Envoy's bootstrap")?)?;
+    replace(&dir, BOOTSTRAP, &yaml(&bootstrap(&config, options, &dir), "Envoy's bootstrap")?)?;
     Ok(dir.join(BOOTSTRAP))
 }
 

@@ -1,7 +1,7 @@
 //! `render`: a complete Envoy bootstrap for a router configuration (spec §6).
 
 use serde_json::{json, Value};
-use sgl_envoy_router::config::{RouterConfig, UpstreamMode};
+use sgl_envoy_router::config::{RouterConfig, ServiceMode, UpstreamMode};
 use sgl_envoy_router::filter::generation::Endpoint;
 use sgl_envoy_router::filter::{ErrorKind, RouteError};
 use sgl_envoy_router::registry::EngineAddress;
@@ -72,11 +72,24 @@ pub fn render_snippet(config: &RouterConfig, options: &RenderOptions) -> Result<
     out += &part("routes", Value::Array(generation_routes(config)))?;
     out += "\n# 3. Into static_resources.clusters (one per engine, and the indexer's when configured):\n";
     out += &part("clusters", Value::Array(clusters(config)))?;
-    out += "\n# 4. Into the bootstrap's bootstrap_extensions: the service (polls load and health) on the filter's vm_id:\n";
-    out += &part("bootstrap_extensions", json!([bootstrap_extension(&router_json, options)]))?;
+    if config.service.mode == ServiceMode::Embedded {
+        out += "\n# 4. No bootstrap service: `service.mode: embedded`, a filter VM elected by lease does its work.\n";
+    } else {
+        out += "\n# 4. Into the bootstrap's bootstrap_extensions: the service (polls load and health) on the filter's vm_id:\n";
+        out += &part("bootstrap_extensions", service_extensions(config, &router_json, options))?;
+    }
     out += "\n# 5. Into the bootstrap's stats_config.stats_tags: Prometheus labels for the filter's stats:\n";
     out += &part("stats_tags", stats_tags())?;
     Ok(out)
+}
+
+/// The bootstrap service, unless the filter VMs do its work (`service.mode: embedded`).
+pub(crate) fn service_extensions(config: &RouterConfig, service_json: &str, options: &RenderOptions) -> Value {
+    if config.service.mode == ServiceMode::Embedded {
+        json!([])
+    } else {
+        json!([bootstrap_extension(service_json, options)])
+    }
 }
 
 pub(crate) fn bootstrap_extension(router_json: &str, options: &RenderOptions) -> Value {
@@ -141,7 +154,7 @@ fn bootstrap(config: &RouterConfig, options: &RenderOptions) -> Value {
         "admin": {
             "address": socket("127.0.0.1", options.admin_port),
         },
-        "bootstrap_extensions": [bootstrap_extension(&router_json, options)],
+        "bootstrap_extensions": service_extensions(config, &router_json, options),
         "stats_config": {"stats_tags": stats_tags()},
         "static_resources": {
             "listeners": [listener(config, options, http_filter(&router_json, options))],
