@@ -219,6 +219,47 @@ fn an_engine_added_by_update_takes_traffic_and_nothing_fails() {
     assert!(live.envoy.log_text().contains("following the filter configuration: 3 workers (1 added"));
 }
 
+/// The mesh's shape from files: no bootstrap service (a filter VM elected by lease does its
+/// work), every engine on one override-host cluster, the filter by ECDS. An engine added by an
+/// update is health-checked and takes traffic; its health failing takes it out.
+#[test]
+fn with_an_embedded_service_an_engine_added_by_update_is_health_checked() {
+    let mesh = |sims: &[&Sim]| {
+        let mut config = router(sims);
+        config["service"] = json!({"mode": "embedded"});
+        config["upstream"] = json!({"mode": "override_host"});
+        config
+    };
+    let specs = ["A", "B", "C"].map(SimSpec::plain).to_vec();
+    let live = Live::start("live_embedded", specs, |sims| mesh(&[&sims[0], &sims[1]]));
+    assert!(!fs::read_to_string(live.files.join("envoy.yaml")).unwrap().contains("sgl_router_service"));
+    live.update(&mesh(&[live.sim("A"), live.sim("B"), live.sim("C")]));
+    wait_for("C monitored", Duration::from_secs(10), || {
+        (live.envoy.metric("sgl_router_healthy_workers{}")? == 3.0).then_some(())
+    });
+    let on_c = |n: usize| {
+        (0..n)
+            .filter(|i| {
+                let body = chat_body(&format!("mesh update {i}"), 1, false);
+                let r = send(
+                    &live.envoy.url("/v1/chat/completions"),
+                    "POST",
+                    Some(&body),
+                    &[("x-session-id", &format!("s{i}"))],
+                );
+                assert_eq!(r.status, 200, "{}", r.body);
+                r.engine() == "C"
+            })
+            .count()
+    };
+    wait_for("C to take traffic", Duration::from_secs(10), || (on_c(12) > 0).then_some(()));
+    live.sim("C").control(json!({"health": {"status": 503}}));
+    wait_for("C out", Duration::from_secs(10), || {
+        (live.envoy.metric("sgl_router_healthy_workers{}")? == 2.0).then_some(())
+    });
+    assert_eq!(on_c(12), 0, "an unhealthy engine gets nothing");
+}
+
 /// Removing (or draining) an engine under load: no request reaches it once the update is done,
 /// its streams in flight at the update complete, and no request fails.
 fn leaves_under_load(name: &str, drain: bool) {
