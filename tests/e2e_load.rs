@@ -29,16 +29,6 @@ fn let_reports_refresh() {
     std::thread::sleep(Duration::from_millis(600));
 }
 
-fn served(d: &Deployment, n: usize) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for i in 0..n {
-        let r = d.chat(&chat_body(&format!("q{i}"), 1, false));
-        assert_eq!(r.status, 200, "{}", r.body);
-        *counts.entry(r.engine()).or_default() += 1;
-    }
-    counts
-}
-
 #[test]
 fn an_admission_rejection_in_the_first_bucket_advances_and_all_rejected_is_a_503_listing_each() {
     let d = Deployment::start("admission_buckets", vec![SimSpec::plain("A"), SimSpec::plain("B")], |sims| {
@@ -104,7 +94,7 @@ fn power_of_two_avoids_an_engine_with_a_long_reported_waiting_queue() {
     d.wait_for_service(2);
     d.sim("A").control(json!({"pin": {"waiting": 50}}));
     let_reports_refresh();
-    let counts = served(&d, 20);
+    let counts = d.served_counts(20);
     assert_eq!(counts.get("B"), Some(&20), "{counts:?}");
     assert!(d.envoy.metric("sgl_router_picks_total{stage=\"plain\",worker=\"B\"}").unwrap_or(0.0) >= 20.0);
 }
@@ -122,7 +112,7 @@ fn a_stale_report_fails_open_and_falls_back_to_router_local_counts() {
     d.sim("A").control(json!({"pin": {"waiting": 50}}));
     d.sim("B").control(json!({"pin": {"waiting": 5}}));
     let_reports_refresh();
-    assert_eq!(served(&d, 10).get("B"), Some(&10));
+    assert_eq!(d.served_counts(10).get("B"), Some(&10));
 
     // Only A's load endpoint fails: its report goes stale and is never reused.
     d.sim("A").control(json!({"loads": {"status": 500}}));
@@ -133,7 +123,7 @@ fn a_stale_report_fails_open_and_falls_back_to_router_local_counts() {
     // Unknown is not zero load (A would win every comparison against B's 5) and not the old 50
     // (A would lose every one): both sampled engines are compared by router-local counts, which
     // are equal, so both serve; and A's stale cap no longer rejects.
-    let counts = served(&d, 40);
+    let counts = d.served_counts(40);
     assert!(counts.get("A").copied().unwrap_or(0) >= 5, "{counts:?}");
     assert!(counts.get("B").copied().unwrap_or(0) >= 5, "{counts:?}");
 }
@@ -248,12 +238,12 @@ fn the_circuit_breaker_opens_on_consecutive_failures_and_a_probe_closes_it() {
     }
     assert_eq!(failures, 2, "A is taken out after two consecutive failures");
     d.sim("A").control(json!({"chat": {"status": null}}));
-    assert_eq!(served(&d, 6).get("B"), Some(&6), "open: A gets nothing during the cool-down");
+    assert_eq!(d.served_counts(6).get("B"), Some(&6), "open: A gets nothing during the cool-down");
     std::thread::sleep(Duration::from_millis(1600));
     wait_for("the probe to close A's breaker", Duration::from_secs(10), || {
-        served(&d, 4).contains_key("A").then_some(())
+        d.served_counts(4).contains_key("A").then_some(())
     });
-    let counts = served(&d, 10);
+    let counts = d.served_counts(10);
     assert_eq!((counts.get("A"), counts.get("B")), (Some(&5), Some(&5)), "closed again: {counts:?}");
 }
 

@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
@@ -17,16 +16,6 @@ use serde_json::json;
 fn override_host(mut router: serde_json::Value) -> serde_json::Value {
     router["upstream"] = json!({"mode": "override_host"});
     router
-}
-
-fn served_by(d: &Deployment, requests: usize) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for i in 0..requests {
-        let r = d.chat(&chat_body(&format!("mesh {i}"), 2, false));
-        assert_eq!(r.status, 200, "{}", r.body);
-        *counts.entry(r.engine()).or_insert(0) += 1;
-    }
-    counts
 }
 
 /// Two plain engines on one override-host cluster: the rotation reaches both, a client cannot
@@ -41,7 +30,7 @@ fn override_host_routes_and_health_checks_through_one_cluster() {
     d.wait_for_service(2);
     let clusters = d.envoy.admin("/clusters");
     assert!(!clusters.contains("sgl_A::") && clusters.contains("sgl_engines::"), "one cluster for the engines");
-    let counts = served_by(&d, 8);
+    let counts = d.served_counts(8);
     assert_eq!((counts.get("A"), counts.get("B")), (Some(&4), Some(&4)), "{counts:?}");
     let a = format!("127.0.0.1:{}", d.sim("A").port);
     for _ in 0..4 {
@@ -51,9 +40,9 @@ fn override_host_routes_and_health_checks_through_one_cluster() {
     assert_eq!(d.sim("A").state()["served"], 6, "A served its rotation share only");
 
     d.sim("A").control(json!({"health": {"status": 503}}));
-    wait_for("A out of rotation", Duration::from_secs(15), || (served_by(&d, 4).get("B") == Some(&4)).then_some(()));
+    wait_for("A out of rotation", Duration::from_secs(15), || (d.served_counts(4).get("B") == Some(&4)).then_some(()));
     d.sim("A").control(json!({"health": {"status": null}}));
-    wait_for("A back", Duration::from_secs(15), || served_by(&d, 4).contains_key("A").then_some(()));
+    wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
 }
 
 /// An engine that refuses connections: the request goes to the fallback its group's policy named
@@ -117,9 +106,9 @@ fn an_embedded_service_checks_health_and_caps_hold_across_threads() {
     assert!(d.envoy.log_text().contains("this filter VM does the service's work"));
 
     d.sim("A").control(json!({"health": {"status": 503}}));
-    wait_for("A out of rotation", Duration::from_secs(15), || (served_by(&d, 4).get("B") == Some(&4)).then_some(()));
+    wait_for("A out of rotation", Duration::from_secs(15), || (d.served_counts(4).get("B") == Some(&4)).then_some(()));
     d.sim("A").control(json!({"health": {"status": null}}));
-    wait_for("A back", Duration::from_secs(15), || served_by(&d, 4).contains_key("A").then_some(()));
+    wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
 
     // Six long requests at once over both threads: one per engine runs, the rest are refused.
     let clients = d.two_vm_clients();

@@ -15,21 +15,10 @@ fn two_engines(name: &str) -> Deployment {
     Deployment::start(name, vec![SimSpec::plain("A"), SimSpec::plain("B")], plain_router)
 }
 
-fn served_counts(d: &Deployment, requests: usize) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for i in 0..requests {
-        let r = d.chat(&chat_body(&format!("hello {i}"), 2, false));
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(r.header("x-sgl-worker"), Some(r.engine().as_str()), "x-sgl-worker names the engine that served");
-        *counts.entry(r.engine()).or_insert(0) += 1;
-    }
-    counts
-}
-
 #[test]
 fn two_plain_engines_both_receive_traffic() {
     let d = two_engines("two_plain");
-    let counts = served_counts(&d, 20);
+    let counts = d.served_counts(20);
     // One cursor in shared data for both worker VMs: the rotation is exact whatever the VM.
     assert_eq!(counts.get("A"), Some(&10), "{counts:?}");
     assert_eq!(counts.get("B"), Some(&10), "{counts:?}");
@@ -44,7 +33,7 @@ fn a_draining_engine_takes_no_request() {
         router["workers"][1]["drain"] = json!(true);
         router
     });
-    let counts = served_counts(&d, 10);
+    let counts = d.served_counts(10);
     assert_eq!(counts.get("A"), Some(&10), "{counts:?}");
     wait_for("the draining gauge", Duration::from_secs(10), || {
         (d.envoy.metric("sgl_router_draining_workers{}")? == 1.0).then_some(())
@@ -113,14 +102,14 @@ fn a_worker_whose_health_fails_stops_and_resumes_receiving_traffic() {
     let d = two_engines("health_flip");
     d.sim("A").control(json!({"health": {"status": 503}}));
     wait_for("A to be taken out of rotation", Duration::from_secs(15), || {
-        let counts = served_counts(&d, 6);
+        let counts = d.served_counts(6);
         (counts.get("B") == Some(&6)).then_some(())
     });
-    let counts = served_counts(&d, 10);
+    let counts = d.served_counts(10);
     assert_eq!(counts.get("B"), Some(&10), "an unhealthy worker gets nothing: {counts:?}");
 
     d.sim("A").control(json!({"health": {"status": null}}));
-    wait_for("A to serve again", Duration::from_secs(15), || served_counts(&d, 4).contains_key("A").then_some(()));
+    wait_for("A to serve again", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
 }
 
 #[test]
@@ -208,7 +197,7 @@ fn original_dst_mode_routes_to_the_engines_host_and_port() {
         router["upstream"] = json!({"mode": "original_dst"});
         router
     });
-    let counts = served_counts(&d, 8);
+    let counts = d.served_counts(8);
     assert_eq!((counts.get("A"), counts.get("B")), (Some(&4), Some(&4)), "{counts:?}");
     // The client cannot choose the destination either.
     let port = d.sim("A").port;

@@ -446,6 +446,23 @@ impl Deployment {
         [a, b]
     }
 
+    /// Sends `requests` short chats, each answered 200 with `x-sgl-worker` naming the engine
+    /// that served it; how many each engine served.
+    pub fn served_counts(&self, requests: usize) -> std::collections::HashMap<String, usize> {
+        let mut counts = std::collections::HashMap::new();
+        for i in 0..requests {
+            let r = self.chat(&chat_body(&format!("count {i}"), 1, false));
+            assert_eq!(r.status, 200, "{}", r.body);
+            assert_eq!(
+                r.header("x-sgl-worker"),
+                Some(r.engine().as_str()),
+                "x-sgl-worker names the engine that served"
+            );
+            *counts.entry(r.engine()).or_insert(0) += 1;
+        }
+        counts
+    }
+
     pub fn chat_on(&self, client: &ureq::Agent, body: &Value, headers: &[(&str, &str)]) -> Reply {
         send_with(client, &self.envoy.url("/v1/chat/completions"), "POST", Some(body), headers)
     }
