@@ -125,3 +125,82 @@ fn an_embedded_service_checks_health_and_caps_hold_across_threads() {
     let ok = answers.iter().filter(|s| **s == 200).count();
     assert_eq!(ok, 2, "one per engine, whichever thread decided: {answers:?}");
 }
+
+/// Two router configurations in one Envoy and one VM (two plugins of the module, one `vm_id`,
+/// their own root ids as a mesh gives them), with the same model name and the same worker ids,
+/// in two namespaces and with no bootstrap service: each routes to its own engines, keeps its
+/// own rotation, and an engine's health in one pool says nothing about the other's.
+#[test]
+fn two_pools_in_one_vm_stay_apart() {
+    let specs = ["A", "B", "A2", "B2"].map(SimSpec::plain).to_vec();
+    let second = std::cell::RefCell::new(json!(null));
+    let pool_b_port = free_port();
+    let d = Deployment::start_with(
+        "mesh_two_pools",
+        specs,
+        |sims| {
+            let pool = |namespace: &str, engines: &[&Sim], clusters: Option<&str>| {
+                let workers: Vec<_> = ["A", "B"]
+                    .iter()
+                    .zip(engines)
+                    .map(|(id, sim)| {
+                        let mut w = sim.worker_json();
+                        w["id"] = json!(id);
+                        if let Some(prefix) = clusters {
+                            w["cluster"] = json!(format!("{prefix}_{id}"));
+                        }
+                        w
+                    })
+                    .collect();
+                let mut router = plain_router(sims);
+                router["workers"] = json!(workers);
+                router["namespace"] = json!(namespace);
+                router["service"] = json!({"mode": "embedded"});
+                router["health"] = json!({"interval_ms": 200, "failure_threshold": 2, "success_threshold": 1});
+                router
+            };
+            let mut b = pool("pool-b", &[&sims[2], &sims[3]], Some("pool_b"));
+            // One `sgl_engines` per Envoy: pool b goes without retries.
+            b["retry"] = json!({"attempts": 0});
+            *second.borrow_mut() = b;
+            pool("pool-a", &[&sims[0], &sims[1]], None)
+        },
+        |yaml| {
+            // Pool b: its own listener and clusters, rendered apart, its plugin renamed.
+            let dir = scratch_dir("mesh_two_pools_b");
+            let rendered = render(&second.borrow(), &dir, pool_b_port, free_port());
+            let text = std::fs::read_to_string(rendered).unwrap();
+            let other: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+            let mut listener = other["static_resources"]["listeners"][0].clone();
+            listener["name"] = "pool_b".into();
+            let plugin = &mut listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]
+                ["typed_config"]["config"];
+            plugin["name"] = "sgl_router_b".into();
+            plugin["root_id"] = "sgl_router_b".into();
+            let resources = &mut yaml["static_resources"];
+            resources["listeners"].as_sequence_mut().unwrap().push(listener);
+            let clusters = other["static_resources"]["clusters"].as_sequence().unwrap().clone();
+            resources["clusters"].as_sequence_mut().unwrap().extend(clusters);
+        },
+    );
+    let pool_b = |i: usize| {
+        let url = format!("http://127.0.0.1:{pool_b_port}/v1/chat/completions");
+        let r = send(&url, "POST", Some(&chat_body(&format!("pool b {i}"), 1, false)), &[]);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.engine()
+    };
+    let first_a = d.chat(&chat_body("pool a", 1, false)).engine();
+    let first_b = pool_b(0);
+    assert_eq!(
+        (first_a.as_str(), first_b.as_str()),
+        ("A", "A2"),
+        "same worker id A, each pool's own engine, each rotation from its start"
+    );
+    for i in 1..5 {
+        assert!(["A2", "B2"].contains(&pool_b(i).as_str()), "pool b never reaches pool a's engines");
+    }
+    d.sim("A").control(json!({"health": {"status": 503}}));
+    wait_for("pool a's A out", Duration::from_secs(15), || (d.served_counts(4).get("B") == Some(&4)).then_some(()));
+    let b_engines: Vec<String> = (0..6).map(pool_b).collect();
+    assert!(b_engines.iter().any(|e| e == "A2"), "pool b's A is healthy: {b_engines:?}");
+}

@@ -224,8 +224,14 @@ impl RootContext for Root {
             }
         };
         let namespace = parsed.namespace.clone().unwrap_or_else(plugin_name);
+        // Every root but the service's is a filter: a mesh makes the plugin's name its root id
+        // (Istio's pluginName), and two pools of this module in one VM need two root ids.
         match id.as_str() {
-            FILTER_ROOT_ID => {
+            SERVICE_ROOT_ID => self.start_service(Some((parsed, text)), &namespace),
+            filter_root => {
+                if filter_root != FILTER_ROOT_ID {
+                    log::info!("filter root `{filter_root}`, namespace `{namespace}`");
+                }
                 let host: Arc<dyn Host> = Arc::new(Namespaced::new(Arc::new(ProxyHost), &namespace));
                 self.host = Some(Arc::clone(&host));
                 match filter_config::announce(host.as_ref(), &text, parsed.generation) {
@@ -247,13 +253,6 @@ impl RootContext for Root {
                 self.heartbeat();
                 self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
                 true
-            }
-            SERVICE_ROOT_ID => self.start_service(Some((parsed, text)), &namespace),
-            other => {
-                log::error!(
-                    "sgl-envoy-router: unknown root_id `{other}`; use `{FILTER_ROOT_ID}` for the HTTP filter or `{SERVICE_ROOT_ID}` for the bootstrap service"
-                );
-                false
             }
         }
     }
