@@ -354,7 +354,9 @@ fn a_request_that_cannot_be_served_within_its_class_wait_is_refused_at_once() {
     let queue = json!({"max_requests": 64, "max_wait_ms": 1000});
     let specs = vec![SimSpec { token_delay_ms: 20, ..SimSpec::plain("A") }];
     let d = one_engine("queue_predicted", specs, queue);
-    let requests = (0..40).map(|i| (chat_body(&format!("request {i}"), 20, false), vec![])).collect();
+    // Arrivals for over seven seconds: the queue predicts once it has seen four services, which
+    // a loaded machine (CI runs three suites at once) can stretch well past a second each.
+    let requests = (0..120).map(|i| (chat_body(&format!("request {i}"), 20, false), vec![])).collect();
     let replies = staggered(&d, requests, Duration::from_millis(60));
     let predicted: Vec<&Reply> =
         replies.iter().map(|(r, _)| r).filter(|r| r.body.contains("an expected wait of")).collect();
