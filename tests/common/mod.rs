@@ -83,32 +83,60 @@ pub fn envoy_bin() -> PathBuf {
 /// Ports handed out in this test process.
 static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
 
+/// Where test ports come from: below the kernel's ephemeral range, so no outgoing connection (of
+/// Envoy, an engine, a client) takes a port between our check and the engine's bind; the
+/// kernel's pick when that range leaves no room.
+fn port_range() -> Option<(u16, u16)> {
+    let low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())?;
+    (low > 12_000).then_some((10_000, low))
+}
+
 /// `n` consecutive free ports, none handed out before: an engine of `n` data-parallel ranks
 /// publishes on a base port plus its rank.
 pub fn free_ports(n: u16) -> u16 {
-    loop {
-        let base = free_port();
-        let rest: Vec<u16> = (1..n).filter_map(|i| base.checked_add(i)).collect();
-        let all_free = rest.len() == usize::from(n - 1)
-            && rest.iter().all(|p| TcpListener::bind(("127.0.0.1", *p)).is_ok())
-            && rest.iter().all(|p| GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(*p));
-        if all_free {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let Some((low, high)) = port_range() else {
+        return kernel_ports(n);
+    };
+    let span = u32::from(high - low - n);
+    // Each test process starts somewhere else, so two of them rarely probe the same ports.
+    let start = std::process::id().wrapping_mul(7_919);
+    for _ in 0..span {
+        let offset = (start.wrapping_add(NEXT.fetch_add(u32::from(n), Ordering::SeqCst))) % span;
+        let base = low + u16::try_from(offset).unwrap_or(0);
+        let ports: Vec<u16> = (base..base + n).collect();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if ports.iter().all(|p| !given.contains(p) && TcpListener::bind(("127.0.0.1", *p)).is_ok()) {
+            given.extend(&ports);
             return base;
         }
     }
+    panic!("no {n} free ports in {low}..{high}");
 }
 
 /// A port nobody listens on right now, and never handed out before in this test process: tests run
 /// side by side, and the kernel may give the port one test picked (and closed, to hand it to its
 /// engine or indexer) to the next test's pick before the first one binds it.
 pub fn free_port() -> u16 {
+    free_ports(1)
+}
+
+fn kernel_ports(n: u16) -> u16 {
     loop {
-        let port = TcpListener::bind("127.0.0.1:0")
+        let base = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .unwrap_or_else(|e| panic!("no free port: {e}"));
-        if GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
-            return port;
+        let ports: Vec<u16> = (0..n).filter_map(|i| base.checked_add(i)).collect();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if ports.len() == usize::from(n)
+            && ports.iter().all(|p| !given.contains(p))
+            && ports[1..].iter().all(|p| TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        {
+            given.extend(&ports);
+            return base;
         }
     }
 }
@@ -248,11 +276,19 @@ impl Sim {
         }
         cmd.args(&spec.extra);
         let process = Process::spawn(&format!("sim {}", spec.id), &mut cmd, dir.join(format!("sim-{}.log", spec.id)));
-        let sim = Self { spec, port, bootstrap_port, process };
+        let mut sim = Self { spec, port, bootstrap_port, process };
         let a = agent();
+        let url = sim.url("/sim/state");
         // An engine publishing through SGLang's Python publisher starts one per rank first.
         wait_for(&format!("sim {} to listen", sim.spec.id), Duration::from_secs(30), || {
-            a.get(&sim.url("/sim/state")).call().ok().filter(|r| r.status() == 200)
+            let up = a.get(&url).call().ok().filter(|r| r.status() == 200);
+            assert!(
+                up.is_some() || sim.process.is_running(),
+                "sim {} exited while starting:\n{}",
+                sim.spec.id,
+                sim.process.log_text()
+            );
+            up
         });
         sim
     }
