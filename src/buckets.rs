@@ -24,6 +24,8 @@ pub struct EngineGroup {
     stage: Role,
     membership: Membership,
     policy: Arc<dyn Policy>,
+    /// The policy's `max_inflight_requests`: each engine picked takes a seat, exact across VMs.
+    seat_cap: Option<u64>,
     /// The last candidate list, kept while the live view it came from is unchanged, so a request
     /// does not filter every worker of the registry again (the views change when health does).
     cached: Mutex<Option<Candidates>>,
@@ -39,12 +41,28 @@ struct Candidates {
 impl EngineGroup {
     /// A catch-all group: every healthy engine of the model and stage.
     pub fn new(stage: Role, policy: Arc<dyn Policy>) -> Self {
-        Self { stage, membership: Membership::All, policy, cached: Mutex::default() }
+        Self { stage, membership: Membership::All, policy, seat_cap: None, cached: Mutex::default() }
     }
 
     /// A group of the listed workers only (`worker_ids: []` is a group of none).
     pub fn with_members(stage: Role, members: impl IntoIterator<Item = String>, policy: Arc<dyn Policy>) -> Self {
-        Self { stage, membership: Membership::Only(members.into_iter().collect()), policy, cached: Mutex::default() }
+        Self {
+            stage,
+            membership: Membership::Only(members.into_iter().collect()),
+            policy,
+            seat_cap: None,
+            cached: Mutex::default(),
+        }
+    }
+
+    /// The group caps each engine's requests in flight at `cap`, counted by seats across VMs.
+    pub fn with_seats(mut self, cap: Option<u64>) -> Self {
+        self.seat_cap = cap;
+        self
+    }
+
+    pub fn seat_cap(&self) -> Option<u64> {
+        self.seat_cap
     }
 
     /// Live workers of the model and this stage that belong to the group, sorted by stable id.

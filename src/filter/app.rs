@@ -303,6 +303,7 @@ impl AppContext {
             indexer: self.indexer.as_deref(),
             load: self.handles.load.as_ref(),
             now_ms: self.now_ms(),
+            seats: Some(&self.handles.seats),
         };
         generation::decide(ticket, &wiring)
     }

@@ -367,7 +367,9 @@ impl RequestLife {
                             return;
                         };
                         // A prefill engine answers once its prefill is done: its wait times it.
-                        let guard = app.on_dispatch(&prefill.id, exchange.decision().prefill_tokens, true);
+                        let guard = app
+                            .on_dispatch(&prefill.id, exchange.decision().prefill_tokens, true)
+                            .with_seat(exchange.take_seat(&prefill.id));
                         app.carry_out(exchange.dispatched(&prefill.id));
                         self.route(app, exchange, Some((token, Some(guard))), out);
                     }
@@ -756,9 +758,11 @@ impl RequestLife {
         out: &mut Actions,
     ) {
         let upstream = Arc::clone(exchange.decision().target.upstream());
+        let seat = exchange.take_seat(&upstream.id);
         let decision = exchange.decision();
-        let guard =
-            app.on_dispatch(&upstream.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill());
+        let guard = app
+            .on_dispatch(&upstream.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill())
+            .with_seat(seat);
         let prefills_a_prompt = decision.prefill_tokens >= PREFILL_QUANTUM_TOKENS;
         app.carry_out(exchange.dispatched(&upstream.id));
         if prefills_a_prompt {
@@ -802,10 +806,12 @@ impl RequestLife {
         if !routed.exchange.decision().fallbacks.is_empty() {
             if let Some((engine, effects)) = upstream_host().and_then(|host| routed.exchange.retried(&host)) {
                 app.carry_out(effects);
-                // The slot moves to the engine that has the request.
+                // The slot, and its seat, move to the engine that has the request.
                 let decision = routed.exchange.decision();
-                routed.upstream =
-                    app.on_dispatch(&engine.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill());
+                let seat = routed.upstream.seat().map(|s| Arc::new(s.moved_to(&Arc::from(engine.id.as_str()))));
+                routed.upstream = app
+                    .on_dispatch(&engine.id, decision.upstream_prefill_tokens(), decision.upstream_times_prefill())
+                    .with_seat(seat);
             }
         }
         if let Some(vm) = &self.vm_header {
@@ -1760,6 +1766,45 @@ mod tests {
         assert_eq!(actions.last(), Some(&Action::Proceed), "goes regardless");
         assert!(upstream(&actions).is_some_and(|other| other != cluster), "{actions:?}");
         assert_eq!(app.waiting().held_count(), 0);
+    }
+
+    /// Two engines that take one request at a time each, no queue, on `memory` as VM `vm`.
+    fn capped_app(memory: &Arc<MemoryHost>, vm: u64) -> AppContext {
+        let config = json!({
+            "workers": [engine("A", 1, "plain"), engine("B", 2, "plain")],
+            "retry": {"attempts": 0},
+            "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {
+                "type": "round_robin", "admission": {"max_inflight_requests": 1}}}}}]}},
+        });
+        let config = parse_and_validate(&config.to_string()).unwrap();
+        let (handles, _) = filter_handles(&config, Arc::clone(memory) as Arc<dyn Host>, vm);
+        AppContext::new(config, handles)
+    }
+
+    /// Two VMs deciding before either hears of the other's dispatches (within one exchange
+    /// period): the cap holds all the same, since each dispatch took a seat.
+    #[test]
+    fn a_cap_of_one_holds_across_vms_that_have_not_exchanged_counts() {
+        let memory = Arc::new(MemoryHost::default());
+        memory.set_now_ms(1_000);
+        let (vm1, vm2) = (capped_app(&memory, 1), capped_app(&memory, 2));
+        let (first, a1) = send_as(&vm1, 1, &[]);
+        let (second, a2) = send_as(&vm2, 2, &[]);
+        let (_, a3) = send_as(&vm2, 3, &[]);
+        let (_, a4) = send_as(&vm1, 4, &[]);
+        let (u1, u2) = (upstream(&a1).map(str::to_string), upstream(&a2).map(str::to_string));
+        assert!(u1.is_some() && u2.is_some() && u1 != u2, "one request per engine: {a1:?} {a2:?}");
+        assert_eq!((reply_status(&a3), reply_status(&a4)), (Some(503), Some(503)), "both engines are full");
+        drop(first);
+        // Its VM tells the others its count fell (the seat went back as the stream ended).
+        memory.advance_ms(crate::state::load_monitor::SYNC_MS);
+        let _ = vm1.sync_shared_now();
+        // Round robin takes the engine its cursor names or none: within a turn of the rotation
+        // the freed engine is taken again.
+        let routed: Vec<_> = (5..7).map(|id| send_as(&vm2, id, &[])).collect();
+        let to: Vec<Option<String>> = routed.iter().map(|(_, a)| upstream(a).map(str::to_string)).collect();
+        assert!(to.contains(&u1) && to.iter().filter(|u| u.is_some()).count() == 1, "{to:?}");
+        drop(second);
     }
 
     /// One engine that takes one request at a time, and a queue; `memory` is the VMs' host.

@@ -17,6 +17,7 @@ use crate::state::affinity_store::{AffinityStore, BindingKind};
 use crate::state::health::HealthMonitor;
 use crate::state::load_monitor::{InflightTable, LoadPoller, SentCounts, SharedInflight};
 use crate::state::prefix::{wire, PrefixEvent, PrefixLog};
+use crate::state::seats::SeatBook;
 use crate::state::{keys, shared, vm_registry};
 use crate::wiring::counters::label;
 use crate::wiring::factory::{self, prefix_budgets};
@@ -298,6 +299,12 @@ impl ServiceCore {
             Ok(0) => {}
             Ok(n) => log::warn!("reclaimed {n} in-flight requests from {} dead VMs", dead.len()),
             Err(e) => log::warn!("in-flight of dead VMs not reclaimed: {e}"),
+        }
+        let seats = SeatBook::new(Arc::clone(&self.host), 0);
+        match seats.reclaim(self.workers.iter().map(|w| w.id.as_str()), &dead) {
+            Ok(0) => {}
+            Ok(n) => log::warn!("reclaimed {n} seats from {} dead VMs", dead.len()),
+            Err(e) => log::warn!("seats of dead VMs not reclaimed: {e}"),
         }
     }
 

@@ -65,3 +65,8 @@ pub const FILTER_CONFIG: &str = "sgl.filter_config";
 pub fn waiting_queue(model: &str) -> String {
     format!("sgl.queue.{model}")
 }
+
+/// The seats taken at one engine whose group caps `max_inflight_requests`, by VM.
+pub fn seats(engine: &str) -> String {
+    format!("sgl.seats.{engine}")
+}

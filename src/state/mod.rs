@@ -10,6 +10,7 @@ pub mod lease;
 pub mod load_monitor;
 pub mod prefix;
 pub mod schedule;
+pub mod seats;
 pub mod shared;
 pub mod vm_registry;
 pub mod wait_queue;

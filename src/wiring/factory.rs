@@ -24,6 +24,7 @@ use crate::state::breaker::BreakerSettings;
 use crate::state::health::HealthThresholds;
 use crate::state::load_monitor::{InflightTable, LoadView, ReportEndpoint, SharedInflight, SharedLoadView, SYNC_MS};
 use crate::state::prefix::{Budgets, PrefixOutbox, PrefixReplica};
+use crate::state::seats::SeatBook;
 use crate::state::vm_registry::Solitude;
 use crate::wiring::counters::HeldCounters;
 
@@ -51,6 +52,8 @@ pub struct StateHandles {
     pub solitude: Arc<Solitude>,
     /// This VM's identity in shared state (its in-flight share, its places in waiting queues).
     pub vm: u64,
+    /// Seats at the engines of groups that cap their requests in flight.
+    pub seats: Arc<SeatBook>,
 }
 
 /// A filter VM's handles over `host`: shared-data views of what the service publishes, this VM's
@@ -78,6 +81,7 @@ pub fn filter_handles(config: &RouterConfig, host: Arc<dyn Host>, vm: u64) -> (S
         outbox: Arc::new(PrefixOutbox::new(Arc::clone(&host), SYNC_MS)),
         solitude: Arc::default(),
         counters: Arc::new(HeldCounters::new(SYNC_MS)),
+        seats: SeatBook::new(Arc::clone(&host), vm),
         host,
         vm,
     };
@@ -190,10 +194,11 @@ struct GroupSite<'a> {
 
 fn build_group(site: &GroupSite<'_>, group: &GroupConfig, handles: &StateHandles) -> EngineGroup {
     let policy = build_policy(site, &group.policy, handles);
-    match &group.worker_ids {
+    let group_of = match &group.worker_ids {
         None => EngineGroup::new(site.stage, policy),
         Some(ids) => EngineGroup::with_members(site.stage, ids.iter().cloned(), policy),
-    }
+    };
+    group_of.with_seats(group.policy.admission().max_inflight_requests)
 }
 
 /// A binding is refreshed at most every tenth of its idle timeout (between 0.1 s and 10 s).

@@ -5,14 +5,18 @@
 
 use std::sync::Arc;
 
-use crate::buckets::{Bucket, BucketPick, BucketRequest, BucketResolver, ResolveError};
+use crate::buckets::{Bucket, BucketGroups, BucketPick, BucketRequest, BucketResolver, ResolveError, StageError};
 use crate::filter::{ErrorKind, RouteError};
-use crate::policies::{PickError, Rejection};
-use crate::registry::LiveEngines;
-use crate::registry::Role;
+use crate::policies::{Limit, PickError, Rejection};
+use crate::registry::{Engine, LiveEngines, Role};
+use crate::state::seats::{Seat, SeatBook, Seats};
+
+/// How many times a bucket picks again, each time without an engine whose seats were all taken
+/// (by other VMs since this one's counts were exchanged).
+const SEAT_RETRIES: usize = 4;
 
 /// The complete selection and the attempts that failed before it (for stats).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Selection {
     pub bucket_id: Arc<str>,
     /// The bucket that supplied the pick, whose groups name the engines to retry on.
@@ -21,6 +25,8 @@ pub struct Selection {
     pub skipped: Vec<SkippedBucket>,
     /// The input length the buckets were resolved with (exact when the indexer counted it).
     pub input_tokens: u64,
+    /// A seat at each engine of the pick whose group caps its requests in flight.
+    pub seats: Seats,
 }
 
 /// Two selections are the same when the same bucket (by id) supplied the same pick.
@@ -106,10 +112,13 @@ fn describe(s: &SkippedBucket, r: &Rejection) -> String {
 
 /// Tries each bucket the request's length fits, in order, until one supplies its complete
 /// selection. The request carries every fact selection reads, the indexer's answer among them.
+/// `seats` counts the capped groups' requests across VMs (without it, as in tests of one VM, the
+/// policies' own admission is the only gate).
 pub fn select(
     resolver: &BucketResolver,
     live: &LiveEngines,
     request: &BucketRequest,
+    seats: Option<&Arc<SeatBook>>,
 ) -> Result<Selection, SelectionFailure> {
     let buckets = resolver
         .resolve(request.input_tokens, request.expected_peak_tokens)
@@ -122,14 +131,15 @@ pub fn select(
     }
     let mut skipped = Vec::new();
     for bucket in buckets {
-        match bucket.pick_engines(live, request) {
-            Ok(pick) => {
+        match pick_seated(&bucket, live, request, seats) {
+            Ok((pick, seats)) => {
                 return Ok(Selection {
                     bucket_id: bucket.id.clone(),
                     bucket: Arc::clone(&bucket),
                     pick,
                     skipped,
                     input_tokens: request.input_tokens,
+                    seats,
                 })
             }
             Err(failure) => {
@@ -147,6 +157,71 @@ pub fn select(
         }
     }
     Err(SelectionFailure::Exhausted(skipped))
+}
+
+/// The bucket's pick, with a seat at each engine its capped groups chose. An engine whose seats
+/// are all taken is a `max_inflight_requests` rejection: the bucket picks again without it.
+fn pick_seated(
+    bucket: &Bucket,
+    live: &LiveEngines,
+    request: &BucketRequest,
+    book: Option<&Arc<SeatBook>>,
+) -> Result<(BucketPick, Seats), StageError> {
+    let capped = |stage: Role| {
+        let group = match (&bucket.groups, stage) {
+            (BucketGroups::Plain(g), _) => g,
+            (BucketGroups::Pd { prefill, .. }, Role::Prefill) => prefill,
+            (BucketGroups::Pd { decode, .. }, _) => decode,
+        };
+        group.seat_cap()
+    };
+    let Some(book) = book.filter(|_| bucket.groups().any(|g| g.seat_cap().is_some())) else {
+        return bucket.pick_engines(live, request).map(|pick| (pick, Seats::default()));
+    };
+    let mut view = live.clone();
+    let mut full: Vec<Rejection> = Vec::new();
+    let mut last_stage = Role::Plain;
+    for _ in 0..=SEAT_RETRIES {
+        let pick = match bucket.pick_engines(&view, request) {
+            Ok(pick) => pick,
+            Err(e) if full.is_empty() => return Err(e),
+            Err(StageError { stage, error }) => {
+                return Err(match error {
+                    PickError::NoCandidates { .. }
+                    | PickError::NoAdmissibleEngine { .. }
+                    | PickError::AdmissionRejected(_) => {
+                        full.extend(error.rejections().iter().cloned());
+                        StageError { stage, error: PickError::NoAdmissibleEngine { rejections: full } }
+                    }
+                    other => StageError { stage, error: other },
+                })
+            }
+        };
+        let stages: Vec<(Role, &Arc<Engine>)> = match &pick {
+            BucketPick::Plain(p) => vec![(Role::Plain, &p.engine)],
+            BucketPick::Pd { prefill, decode } => {
+                vec![(Role::Prefill, &prefill.engine), (Role::Decode, &decode.engine)]
+            }
+        };
+        let mut taken: Vec<Seat> = Vec::new();
+        let mut refused = None;
+        for (stage, engine) in stages {
+            let Some(cap) = capped(stage) else { continue };
+            match book.take(&Arc::from(engine.id.as_str()), cap) {
+                Some(seat) => taken.push(seat),
+                None => {
+                    refused = Some((stage, Arc::clone(engine)));
+                    break;
+                }
+            }
+        }
+        let Some((stage, engine)) = refused else { return Ok((pick, Seats::new(taken))) };
+        // The seats taken for the other stage go back as `taken` drops.
+        view = view.without(&view.places([&engine]));
+        full.push(Rejection { engine: engine.id.clone(), limit: Limit::MaxInflightRequests });
+        last_stage = stage;
+    }
+    Err(StageError { stage: last_stage, error: PickError::NoAdmissibleEngine { rejections: full } })
 }
 
 #[cfg(test)]
@@ -203,7 +278,7 @@ mod tests {
     }
 
     fn run(buckets: Vec<Bucket>, live: LiveEngines, req: BucketRequest) -> Result<Selection, SelectionFailure> {
-        select(&BucketResolver::new(buckets), &live, &req)
+        select(&BucketResolver::new(buckets), &live, &req, None)
     }
 
     fn rejected(worker: &str, limit: Limit) -> PickError {

@@ -20,6 +20,7 @@ use crate::protocol::indexer::IndexerAnswer;
 use crate::registry::{Engine, LiveEngines, Role};
 use crate::state::load_monitor::LoadView;
 use crate::state::prefix::{PrefixEvent, Tier};
+use crate::state::seats::{SeatBook, Seats};
 use crate::wiring::counters::Counter;
 use crate::wiring::upstream::UpstreamHeader;
 
@@ -87,6 +88,8 @@ pub struct Decision {
     pub prefill_tokens: u64,
     /// The client asked for a streamed answer: its first body byte follows the first token.
     pub stream: bool,
+    /// A seat at each capped engine named, which its stage takes when dispatched there.
+    pub seats: Seats,
 }
 
 impl Decision {
@@ -221,11 +224,13 @@ pub struct Wiring<'a> {
     pub load: &'a dyn LoadView,
     /// The host clock, for when a prefix was sent.
     pub now_ms: u64,
+    /// Seats at the engines of capped groups, exact across VMs.
+    pub seats: Option<&'a Arc<SeatBook>>,
 }
 
 /// Runs the bucket loop for `ticket` and turns its selection into a [`Decision`].
 pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
-    let selection = select(&ticket.resolver, wiring.live, &ticket.request);
+    let selection = select(&ticket.resolver, wiring.live, &ticket.request, wiring.seats);
     let lookup_counter = ticket.lookup_counter();
     let selection = match selection {
         Ok(selection) => selection,
@@ -352,6 +357,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             rid: Arc::clone(&ticket.rid.0),
             prefix_event,
             notices,
+            seats: selection.seats,
         }),
     }
 }

@@ -10,6 +10,7 @@ use super::Decision;
 use crate::host::CalloutRequest;
 use crate::registry::Engine;
 use crate::state::prefix::PrefixEvent;
+use crate::state::seats::Seat;
 use crate::wiring::counters::Counter;
 use crate::wiring::upstream::UpstreamAnswer;
 
@@ -52,6 +53,11 @@ impl Exchange {
 
     pub fn decision(&self) -> &Decision {
         &self.decision
+    }
+
+    /// The seat the decision holds at `engine`, for the stage dispatched there to keep.
+    pub fn take_seat(&mut self, engine: &str) -> Option<Arc<Seat>> {
+        self.decision.seats.take(engine)
     }
 
     /// The fire-and-forget callouts to send once dispatched (each is sent once).
@@ -198,6 +204,7 @@ impl Exchange {
 
 #[cfg(test)]
 mod tests {
+    use crate::state::seats::Seats;
     use crate::testing::test;
     use std::sync::Arc;
 
@@ -230,6 +237,7 @@ mod tests {
             notices: vec![],
             prefill_tokens: 0,
             stream: false,
+            seats: Seats::default(),
         })
     }
 
@@ -260,6 +268,7 @@ mod tests {
             notices: vec![],
             prefill_tokens: 0,
             stream: false,
+            seats: Seats::default(),
         });
         assert_eq!(x.dispatched("P").prefix_events, [event("P")]);
         assert_eq!(x.dispatched("D").prefix_events, [], "the decode engine does not prefill");

@@ -13,6 +13,7 @@ use super::fleet::{EngineFit, Prior};
 use super::speed::{Sample, Speed, SpeedFit};
 use super::table::SentCounts;
 use super::unanswered::{Unanswered, Waited, Waiting};
+use crate::state::seats::Seat;
 
 /// Prefill work one dispatch hands an engine: its uncached prompt tokens, the rate at which the
 /// engine's prefill drains them, the uncached tokens queued ahead of them there, and how long the
@@ -173,6 +174,8 @@ pub struct InflightGuard {
     prefilled: bool,
     /// The dispatch waits for a first byte that will time the engine.
     awaiting: bool,
+    /// The stage's seat, when its group caps requests in flight: given back with the slot.
+    seat: Option<Arc<Seat>>,
 }
 
 impl InflightGuard {
@@ -195,6 +198,7 @@ impl InflightGuard {
             started_ms,
             prefilled: false,
             awaiting: timed,
+            seat: None,
         };
         if timed {
             guard.table.awaiting(worker, guard.waiting());
@@ -234,6 +238,18 @@ impl InflightGuard {
             timed.then(|| Sample { tokens: waited.tokens, ms: self.table.now_ms().saturating_sub(waited.since_ms) });
         let answer = FirstByte { prefill_tokens: self.work.tokens, sent_ms: self.started_ms, sample };
         self.table.first_byte(&self.worker, answer, self.prior_tokens_per_ms);
+    }
+}
+
+impl InflightGuard {
+    /// Keeps `seat` until the stage ends.
+    pub fn with_seat(mut self, seat: Option<Arc<Seat>>) -> Self {
+        self.seat = seat;
+        self
+    }
+
+    pub fn seat(&self) -> Option<&Arc<Seat>> {
+        self.seat.as_ref()
     }
 }
 
