@@ -4,6 +4,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use sgl_envoy_router::config;
 use sgl_envoy_router_cli::dynamic;
+use sgl_envoy_router_cli::package;
 use sgl_envoy_router_cli::render::{render, render_snippet, RenderOptions, DEFAULT_WASM};
 use sgl_envoy_router_cli::translate::translate;
 use std::time::Duration;
@@ -55,6 +56,23 @@ enum Command {
         #[arg(long)]
         offline: bool,
     },
+    /// Write the wasm module as a Wasm OCI image (the variant Istio and Envoy Gateway pull), and
+    /// print its digest and the module's sha256.
+    #[command(group = clap::ArgGroup::new("out").required(true))]
+    Package {
+        /// The wasm module.
+        #[arg(long, default_value = DEFAULT_WASM)]
+        wasm: PathBuf,
+        /// Write an OCI image layout directory (`skopeo copy oci:DIR:TAG docker://…`).
+        #[arg(long, value_name = "DIR", group = "out")]
+        oci: Option<PathBuf>,
+        /// Write the layout as one tar (`skopeo copy oci-archive:FILE:TAG docker://…`).
+        #[arg(long, value_name = "FILE", group = "out")]
+        oci_archive: Option<PathBuf>,
+        /// The tag the layout names the image by.
+        #[arg(long, default_value = "latest")]
+        tag: String,
+    },
     /// Turn an sglang-router 0.3.2 command line into a router configuration (YAML on stdout).
     Translate {
         /// The served model name the workers get.
@@ -79,6 +97,30 @@ fn main() -> ExitCode {
             }
             Err(errors) => report(&config, &errors),
         },
+        Command::Package { wasm, oci, oci_archive, tag } => {
+            let out = match (&oci, &oci_archive) {
+                (Some(dir), _) => package::Output::Dir(dir),
+                (None, Some(file)) => package::Output::Archive(file),
+                (None, None) => return ExitCode::FAILURE, // clap requires one
+            };
+            match package::package(&wasm, &tag, out) {
+                Ok(p) => {
+                    let written =
+                        oci.as_ref().or(oci_archive.as_ref()).map(|p| p.display().to_string()).unwrap_or_default();
+                    println!("wrote {written} (tag {tag})");
+                    println!(
+                        "image digest {} (Istio's WasmPlugin sha256 and Envoy Gateway's image.sha256 take its hex)",
+                        p.image_digest
+                    );
+                    println!("module sha256 {} (http and file sources)", p.module_sha256);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Translate { model, skip_refused, args } => run_translate(&model, &args, skip_refused),
         Command::Update { config, dynamic, settle_ms, offline } => {
             let loaded = match config::load_file(&config) {
