@@ -76,7 +76,7 @@ impl ServiceCore {
         let workers = factory::registry(&config).all().to_vec();
         let health = HealthMonitor::new(factory::health_thresholds(&config.health), &workers);
         let load = LoadPoller::new(factory::report_endpoint(config.load.source), config.load.interval_ms, &workers);
-        let prefixes = PrefixLog::new(prefix_budgets(&config));
+        let prefixes = PrefixLog::resume(host.as_ref(), prefix_budgets(&config));
         if let Err(e) = prefixes.publish_start(host.as_ref()) {
             log::warn!("prefix log not started: {e}");
         }

@@ -32,6 +32,9 @@ struct Batch {
 struct Snapshot {
     next_batch: u64,
     trees: BTreeMap<String, RadixTree>,
+    /// The sequence number the next event gets.
+    #[serde(default)]
+    next_seq: u64,
 }
 
 /// The snapshot as written: the trees borrowed, not cloned (they are the service's whole index).
@@ -39,6 +42,7 @@ struct Snapshot {
 struct SnapshotOf<'a> {
     next_batch: u64,
     trees: &'a BTreeMap<String, RadixTree>,
+    next_seq: u64,
 }
 
 /// Per-model tree budgets in bytes; the same on the service and every replica.
@@ -78,7 +82,28 @@ impl PrefixLog {
         self.budgets = budgets;
     }
 
-    /// Starts a fresh log (the service restarted, or this is the first start).
+    /// The log as its last writer left it in shared data (the snapshot and the batches after it),
+    /// for a service that takes over the work (a new lease holder, the service's VM made again):
+    /// the trees and every replica's copy carry on. Empty when nothing was published, or when what
+    /// was cannot be read back whole.
+    pub fn resume(host: &dyn Host, budgets: Budgets) -> Self {
+        let mut replica = PrefixReplica::new(budgets.clone());
+        match replica.refresh(host) {
+            Ok(()) if replica.stalls == 0 => {
+                Self { trees: replica.trees, next_batch: replica.next_batch, next_seq: replica.next_seq, budgets }
+            }
+            Ok(()) => {
+                log::warn!("the prefix log could not be read back whole: starting it empty");
+                Self::new(budgets)
+            }
+            Err(e) => {
+                log::warn!("the prefix log could not be read back ({e}): starting it empty");
+                Self::new(budgets)
+            }
+        }
+    }
+
+    /// Publishes the log's start: its snapshot and head (an empty log, or one [`Self::resume`]d).
     pub fn publish_start(&self, host: &dyn Host) -> Result<(), HostError> {
         self.write_snapshot(host)?;
         host.shared_set(HEAD, &self.next_batch.to_le_bytes(), None)
@@ -107,7 +132,7 @@ impl PrefixLog {
     }
 
     fn write_snapshot(&self, host: &dyn Host) -> Result<(), HostError> {
-        let snapshot = SnapshotOf { next_batch: self.next_batch, trees: &self.trees };
+        let snapshot = SnapshotOf { next_batch: self.next_batch, trees: &self.trees, next_seq: self.next_seq };
         let bytes = wire::encode(&snapshot)?;
         host.shared_set(SNAPSHOT, &bytes, None)
     }
@@ -118,6 +143,7 @@ impl PrefixLog {
 pub struct PrefixReplica {
     trees: BTreeMap<String, RadixTree>,
     next_batch: u64,
+    next_seq: u64,
     budgets: Budgets,
     resyncs: u64,
     stalls: u64,
@@ -125,7 +151,7 @@ pub struct PrefixReplica {
 
 impl PrefixReplica {
     pub fn new(budgets: Budgets) -> Self {
-        Self { trees: BTreeMap::new(), next_batch: 0, budgets, resyncs: 0, stalls: 0 }
+        Self { trees: BTreeMap::new(), next_batch: 0, next_seq: 0, budgets, resyncs: 0, stalls: 0 }
     }
 
     pub fn tree(&self, model: &str) -> Option<&RadixTree> {
@@ -171,6 +197,7 @@ impl PrefixReplica {
                         let budgets = &self.budgets;
                         apply(&mut self.trees, event, b.first_seq.saturating_add(i as u64), &|m| budgets.of(m));
                     }
+                    self.next_seq = b.first_seq.saturating_add(b.events.len() as u64);
                     self.next_batch += 1;
                 }
                 // Overwritten under us: start again from the snapshot, once.
@@ -197,6 +224,7 @@ impl PrefixReplica {
             t.rebuild_index();
         }
         self.next_batch = snapshot.next_batch;
+        self.next_seq = snapshot.next_seq;
         self.resyncs += 1;
         Ok(())
     }
@@ -239,6 +267,32 @@ mod tests {
         assert_eq!(replica.version(), log.head());
         assert_eq!(replica.trees(), log.trees());
         assert_eq!(replica.resyncs(), 0);
+    }
+
+    /// A service that takes over (a new lease holder) carries the log on: its trees are the old
+    /// writer's, replicas see no restart, and what it appends next reaches them as before.
+    #[test]
+    fn a_new_writer_resumes_the_log_and_replicas_carry_on() {
+        let host = MemoryHost::default();
+        let mut old = PrefixLog::new(budgets());
+        old.publish_start(&host).unwrap();
+        let mut replica = PrefixReplica::new(budgets());
+        for i in 0..(LOG_SLOTS + 70) {
+            old.append(&host, vec![stored(i)]).unwrap();
+        }
+        replica.refresh(&host).unwrap();
+        let resyncs = replica.resyncs();
+        let mut new = PrefixLog::resume(&host, budgets());
+        assert_eq!((new.head(), new.trees()), (old.head(), old.trees()), "the old writer's log, whole");
+        new.publish_start(&host).unwrap();
+        new.append(&host, vec![stored(9_999)]).unwrap();
+        old.append(&MemoryHost::default(), vec![stored(9_999)]).unwrap();
+        replica.refresh(&host).unwrap();
+        assert_eq!(replica.resyncs(), resyncs, "no resync: the head never went back");
+        assert_eq!(replica.trees(), new.trees());
+        assert_eq!(new.trees(), old.trees(), "the same event at the same sequence on both");
+        let empty = PrefixLog::resume(&MemoryHost::default(), budgets());
+        assert_eq!((empty.head(), empty.trees().len()), (0, 0), "nothing published: empty");
     }
 
     #[test]
