@@ -4,9 +4,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use sgl_envoy_router::config;
 use sgl_envoy_router_cli::dynamic;
-use sgl_envoy_router_cli::package;
 use sgl_envoy_router_cli::render::{render, render_snippet, RenderOptions, DEFAULT_WASM};
 use sgl_envoy_router_cli::translate::translate;
+use sgl_envoy_router_cli::{mesh, package};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -40,6 +40,31 @@ enum Command {
         /// clusters), so `update --dynamic DIR` changes the engines without a restart.
         #[arg(long, value_name = "DIR")]
         dynamic: Option<PathBuf>,
+        /// Print the Istio resources (an EnvoyFilter) that install the filter from --image in
+        /// every sidecar calling --engines.
+        #[arg(long, conflicts_with_all = ["snippet", "dynamic", "envoy_gateway"], requires_all = ["image", "engines"])]
+        istio: bool,
+        /// Print the Envoy Gateway resources (HTTPRoute, EnvoyExtensionPolicy,
+        /// BackendTrafficPolicy, EnvoyPatchPolicy) that route --gateway's traffic to --engines.
+        #[arg(long, conflicts_with_all = ["snippet", "dynamic"], requires_all = ["image", "engines"])]
+        envoy_gateway: bool,
+        /// The module's OCI image (`package --oci` wrote it from --wasm, whose digest is checked).
+        #[arg(long, value_name = "REGISTRY/REPOSITORY:TAG")]
+        image: Option<String>,
+        /// The engines' Kubernetes Service.
+        #[arg(long, value_name = "HOST:PORT")]
+        engines: Option<String>,
+        /// The Kubernetes namespace of the resources.
+        #[arg(long, default_value = "default")]
+        k8s_namespace: String,
+        /// Istio: the workloads whose sidecars run the filter (default: all of the namespace).
+        #[arg(long, value_name = "KEY=VALUE")]
+        selector: Option<String>,
+        /// Envoy Gateway: the Gateway the route attaches to, and its listener.
+        #[arg(long, default_value = "eg")]
+        gateway: String,
+        #[arg(long, default_value = "http")]
+        gateway_listener: String,
     },
     /// Validate a router configuration and put it live in an Envoy started from
     /// `render --dynamic DIR`, without a restart: nothing changes when it is invalid.
@@ -147,7 +172,59 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Render { config, wasm, listen, admin, snippet, dynamic } => {
+        Command::Render {
+            config,
+            wasm,
+            listen,
+            admin,
+            snippet,
+            dynamic,
+            istio,
+            envoy_gateway,
+            image,
+            engines,
+            k8s_namespace,
+            selector,
+            gateway,
+            gateway_listener,
+        } => {
+            if istio || envoy_gateway {
+                let loaded = match config::load_file(&config) {
+                    Ok(c) => c,
+                    Err(errors) => return report(&config, &errors),
+                };
+                let image_sha256 = match package::image_digest(std::path::Path::new(&wasm)) {
+                    Ok(d) => d.trim_start_matches("sha256:").to_string(),
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let options = mesh::MeshOptions {
+                    image: image.unwrap_or_default(),
+                    image_sha256,
+                    engines: engines.unwrap_or_default(),
+                    namespace: k8s_namespace,
+                    selector,
+                    gateway,
+                    gateway_listener,
+                };
+                let rendered = if istio {
+                    mesh::render_istio(&loaded, &options)
+                } else {
+                    mesh::render_envoy_gateway(&loaded, &options)
+                };
+                return match rendered {
+                    Ok(yaml) => {
+                        print!("{yaml}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        ExitCode::FAILURE
+                    }
+                };
+            }
             let Some((address, port)) = listen.rsplit_once(':').and_then(|(a, p)| Some((a, p.parse().ok()?))) else {
                 eprintln!("error: --listen must be ADDR:PORT, got `{listen}`");
                 return ExitCode::FAILURE;

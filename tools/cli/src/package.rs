@@ -93,18 +93,51 @@ fn tar_of(files: &[(&str, &[u8])]) -> std::io::Result<Vec<u8>> {
     builder.into_inner()
 }
 
-/// Writes the image of `module` (read from `module_path`) to `out`, tagged `tag`.
-pub fn package(module_path: &Path, tag: &str, out: Output) -> Result<Packaged, PackageError> {
+/// The image's blobs and layout files, built in memory.
+struct Image {
+    /// The layout's files, by path in the layout.
+    files: Vec<(String, Vec<u8>)>,
+    manifest_digest: String,
+    module_sha256: String,
+}
+
+fn read_module(module_path: &Path) -> Result<Vec<u8>, PackageError> {
     let module = fs::read(module_path).map_err(io(module_path))?;
     if !module.starts_with(b"\0asm") {
         return Err(PackageError::NotWasm { path: module_path.to_path_buf() });
     }
-    let layer_tar = tar_of(&[("plugin.wasm", &module)]).map_err(io(module_path))?;
+    Ok(module)
+}
+
+/// The image digest `package` would print for the module at `module_path`: what Istio's and
+/// Envoy Gateway's resources check the pulled image against.
+pub fn image_digest(module_path: &Path) -> Result<String, PackageError> {
+    Ok(image(&read_module(module_path)?, "latest").map_err(io(module_path))?.manifest_digest)
+}
+
+/// Writes the image of `module` (read from `module_path`) to `out`, tagged `tag`.
+pub fn package(module_path: &Path, tag: &str, out: Output) -> Result<Packaged, PackageError> {
+    let module = read_module(module_path)?;
+    let image = image(&module, tag).map_err(io(module_path))?;
+    let files: Vec<(String, &[u8])> = image.files.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
+    match out {
+        Output::Dir(dir) => write_dir(dir, &files)?,
+        Output::Archive(file) => {
+            let refs: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (n.as_str(), *b)).collect();
+            let archive = tar_of(&refs).map_err(io(file))?;
+            fs::write(file, archive).map_err(io(file))?;
+        }
+    }
+    Ok(Packaged { image_digest: image.manifest_digest, module_sha256: image.module_sha256 })
+}
+
+fn image(module: &[u8], tag: &str) -> std::io::Result<Image> {
+    let layer_tar = tar_of(&[("plugin.wasm", module)])?;
     let diff_id = format!("sha256:{}", sha256_hex(&layer_tar));
     // gzip with no name and no time: the header is the same for the same bytes.
     let mut gz = GzEncoder::new(Vec::new(), Compression::best());
-    gz.write_all(&layer_tar).map_err(io(module_path))?;
-    let layer = Blob::new(gz.finish().map_err(io(module_path))?);
+    gz.write_all(&layer_tar)?;
+    let layer = Blob::new(gz.finish()?);
     let config = Blob::new(json_bytes(&json!({
         "architecture": "wasm",
         "os": "wasip1",
@@ -123,22 +156,17 @@ pub fn package(module_path: &Path, tag: &str, out: Output) -> Result<Packaged, P
     let index = json_bytes(&json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
                                    "manifests": [manifest_ref]}));
     let layout = json_bytes(&json!({"imageLayoutVersion": "1.0.0"}));
-    let files: Vec<(String, &[u8])> = vec![
-        ("oci-layout".to_string(), &layout),
-        ("index.json".to_string(), &index),
-        (config.path(), &config.bytes),
-        (layer.path(), &layer.bytes),
-        (manifest.path(), &manifest.bytes),
-    ];
-    match out {
-        Output::Dir(dir) => write_dir(dir, &files)?,
-        Output::Archive(file) => {
-            let refs: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (n.as_str(), *b)).collect();
-            let archive = tar_of(&refs).map_err(io(file))?;
-            fs::write(file, archive).map_err(io(file))?;
-        }
-    }
-    Ok(Packaged { image_digest: manifest.digest, module_sha256: sha256_hex(&module) })
+    Ok(Image {
+        files: vec![
+            ("oci-layout".to_string(), layout),
+            ("index.json".to_string(), index),
+            (config.path(), config.bytes),
+            (layer.path(), layer.bytes),
+            (manifest.path(), manifest.bytes.clone()),
+        ],
+        manifest_digest: manifest.digest,
+        module_sha256: sha256_hex(module),
+    })
 }
 
 fn json_bytes(v: &serde_json::Value) -> Vec<u8> {

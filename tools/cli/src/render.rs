@@ -358,7 +358,7 @@ fn engines_cluster(config: &RouterConfig) -> Value {
 
 /// A load-balancing policy that picks no host: a subset policy whose one selector no host
 /// matches, with no fallback.
-fn refusing_policy() -> Value {
+pub(crate) fn refusing_policy() -> Value {
     json!({
         "name": "envoy.load_balancing_policies.subset",
         "typed_config": {
