@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod models;
 pub mod queue;
 pub mod routes;
+pub mod ticks;
 
 pub use app::AppContext;
 pub use errors::{ErrorKind, RouteError};

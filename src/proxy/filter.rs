@@ -3,7 +3,7 @@
 //! value per request and decides nothing. A parked stream is woken by its root's tick
 //! ([`Waiters`]) when the core's room names it, under its own context id.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
@@ -15,16 +15,14 @@ use proxy_wasm::types::{Action as Flow, BufferType, MapType};
 use super::host::{clear_route_cache, dispatch, ClockScope};
 use super::stats::Stats;
 use crate::filter::life::{Action, Actions, RequestLife};
+use crate::filter::ticks::Ticks;
 use crate::filter::AppContext;
 
-/// How often a VM with parked streams looks for their turns.
-pub const QUEUE_TICK: Duration = Duration::from_millis(2);
-
-/// A VM's parked streams by context id, for its root to wake, and whether its root ticks fast.
+/// A VM's parked streams by context id, for its root to wake, and its root's clock.
 #[derive(Default)]
 pub struct WaitingStreams {
     pub streams: RefCell<BTreeMap<u32, Weak<RefCell<Stream>>>>,
-    pub fast_tick: Cell<bool>,
+    pub ticks: RefCell<Ticks>,
 }
 
 pub type Waiters = Rc<WaitingStreams>;
@@ -90,9 +88,10 @@ impl Stream {
     /// Joins the VM's parked streams; the root looks for turns at once and then every tick.
     fn park(&self) {
         self.waiters.streams.borrow_mut().insert(self.context_id, self.this.clone());
-        if !self.waiters.fast_tick.replace(true) {
+        let period = self.waiters.ticks.borrow_mut().period(true, None);
+        if let Some(ms) = period {
             if hostcalls::set_effective_context(self.root_id).is_ok() {
-                let _ = hostcalls::set_tick_period(QUEUE_TICK);
+                let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
             }
             let _ = hostcalls::set_effective_context(self.context_id);
         }

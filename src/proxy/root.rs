@@ -8,7 +8,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 
-use super::filter::{Filter, Waiters, QUEUE_TICK};
+use super::filter::{Filter, Waiters};
 use super::host::ProxyHost;
 use super::service::Service;
 use super::stats::Stats;
@@ -44,16 +44,10 @@ pub struct Root {
     /// This VM's replica of the prefix index.
     prefixes: Option<Arc<LocalCacheSource>>,
     service: Option<Service>,
-    /// This VM's streams waiting in the queue, woken from the tick.
+    /// This VM's streams waiting in the queue, woken from the tick, and the root's clock.
     waiters: Waiters,
-    /// When the filter's heartbeat work last ran: a VM with waiting streams ticks faster.
-    last_heartbeat_ms: Cell<u64>,
-    /// When the queues' depths were last exported.
-    last_depths_ms: Cell<u64>,
 }
 
-/// How often a VM with waiting streams exports its models' queue depths.
-const DEPTHS_EVERY_MS: u64 = 100;
 /// Wakes per tick at most: a stream whose turn comes because another left is woken in the same tick.
 const TURN_ROUNDS: usize = 8;
 
@@ -161,27 +155,25 @@ impl Root {
             (false, true) => {
                 log::info!("this filter VM leaves the service's work (lease held elsewhere)");
                 self.service = None;
-                self.set_tick_period(self.idle_tick());
             }
             _ => {}
         }
     }
 
-    /// The tick of a VM with no stream waiting: the service's while it runs one, else the
-    /// heartbeat.
-    fn idle_tick(&self) -> Duration {
-        self.service.as_ref().map_or(Duration::from_millis(vm_registry::HEARTBEAT_MS), Service::tick_period)
+    /// Sets the tick period the clock wants now (`waiting`: streams of this VM wait).
+    fn retick(&self, waiting: bool) {
+        let service_ms = self.service.as_ref().map(Service::tick_period_ms);
+        let period = self.waiters.ticks.borrow_mut().period(waiting, service_ms);
+        if let Some(ms) = period {
+            self.set_tick_period(Duration::from_millis(ms));
+        }
     }
 
     fn start_service(&mut self, own: Option<(config::RouterConfig, String)>, namespace: &str) -> bool {
         let singleton = self.filter.is_none();
-        let mut service = Service::new(own, Rc::clone(&self.stats), namespace, singleton);
-        if let Some(period) = service.new_tick_period() {
-            if !self.waiters.fast_tick.get() {
-                self.set_tick_period(period);
-            }
-        }
-        self.service = Some(service);
+        self.service = Some(Service::new(own, Rc::clone(&self.stats), namespace, singleton));
+        let waiting = self.waiters.ticks.borrow().fast();
+        self.retick(waiting);
         true
     }
 }
@@ -251,7 +243,8 @@ impl RootContext for Root {
                 self.prefixes = Some(prefixes);
                 self.filter = Some(Rc::new(RefCell::new(AppContext::new(parsed, handles))));
                 self.heartbeat();
-                self.set_tick_period(Duration::from_millis(vm_registry::HEARTBEAT_MS));
+                let waiting = self.waiters.ticks.borrow().fast();
+                self.retick(waiting);
                 true
             }
         }
@@ -266,34 +259,22 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
-            if let Some(period) = service.new_tick_period() {
-                if !self.waiters.fast_tick.get() {
-                    self.set_tick_period(period);
-                }
-            }
         }
-        if let Some(app) = self.filter.clone() {
-            let now = ProxyHost.now_ms();
-            let waiting = !app.borrow().waiting().is_empty();
-            if waiting {
-                self.take_turns(&app);
-            }
-            // A VM that had streams waiting reports the depth they left too.
-            let recent = waiting || self.waiters.fast_tick.get();
-            let since = now.saturating_sub(self.last_depths_ms.get());
-            if since >= vm_registry::HEARTBEAT_MS || (recent && since >= DEPTHS_EVERY_MS) {
-                self.last_depths_ms.set(now);
-                self.export_depths(&app);
-            }
-            let still_waiting = !app.borrow().waiting().is_empty();
-            if still_waiting != self.waiters.fast_tick.replace(still_waiting) {
-                let period = if still_waiting { QUEUE_TICK } else { self.idle_tick() };
-                self.set_tick_period(period);
-            }
-            if now.saturating_sub(self.last_heartbeat_ms.get()) < vm_registry::HEARTBEAT_MS {
-                return;
-            }
-            self.last_heartbeat_ms.set(now);
+        let Some(app) = self.filter.clone() else {
+            // The bootstrap service: its own period (a followed configuration may change it).
+            return self.retick(false);
+        };
+        let now = ProxyHost.now_ms();
+        let waiting = !app.borrow().waiting().is_empty();
+        if waiting {
+            self.take_turns(&app);
+        }
+        let depths_due = self.waiters.ticks.borrow_mut().depths_due(now, waiting);
+        if depths_due {
+            self.export_depths(&app);
+        }
+        let heartbeat_due = self.waiters.ticks.borrow_mut().heartbeat_due(now);
+        if heartbeat_due {
             // What this VM did just before it went quiet reaches the others here at the latest.
             let due = app.borrow().sync_shared_now();
             self.stats.count_all(&due);
@@ -307,6 +288,8 @@ impl RootContext for Root {
             let stale = u64::from(app.borrow().health_stale());
             self.stats.gauge("sgl_router_health_table_stale", stale);
         }
+        let still_waiting = !app.borrow().waiting().is_empty();
+        self.retick(still_waiting);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
@@ -22,7 +21,6 @@ pub struct Service {
     pending: HashMap<u32, (PollKind, u32)>,
     prefix_queue: Option<u32>,
     stats: Rc<Stats>,
-    period: Option<Duration>,
 }
 
 impl Service {
@@ -41,19 +39,13 @@ impl Service {
             pending: HashMap::new(),
             prefix_queue,
             stats,
-            period: None,
         }
     }
 
-    pub fn tick_period(&self) -> Duration {
-        Duration::from_millis(self.core.tick_period_ms())
-    }
-
-    /// The tick period, when it changed since it was last asked for (a followed configuration
-    /// may check more often or less).
-    pub fn new_tick_period(&mut self) -> Option<Duration> {
-        let period = self.tick_period();
-        (self.period.replace(period) != Some(period)).then_some(period)
+    /// The period the service's work wants its root to tick at (a followed configuration may
+    /// check more often or less).
+    pub fn tick_period_ms(&self) -> u64 {
+        self.core.tick_period_ms()
     }
 
     pub fn on_tick(&mut self) {
