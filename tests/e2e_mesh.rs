@@ -204,3 +204,67 @@ fn two_pools_in_one_vm_stay_apart() {
     let b_engines: Vec<String> = (0..6).map(pool_b).collect();
     assert!(b_engines.iter().any(|e| e == "A2"), "pool b's A is healthy: {b_engines:?}");
 }
+
+/// The VM doing the service's work traps, as a crash would (the module built with test-only
+/// faults): another VM takes the lease, health goes on being checked, and no request fails
+/// meanwhile. (The three-heartbeat bound is `state::lease`'s, tested on a fake clock; the time
+/// this takeover took is printed.)
+#[test]
+fn a_crashed_service_holder_is_replaced_and_no_request_fails() {
+    let faulty = wasm_module_with_faults();
+    let d = Deployment::start_with(
+        "mesh_takeover",
+        vec![SimSpec::plain("A"), SimSpec::plain("B")],
+        |sims| {
+            let mut router = plain_router(sims);
+            router["service"] = json!({"mode": "embedded"});
+            router["health"] = json!({"interval_ms": 200, "failure_threshold": 2, "success_threshold": 1});
+            router
+        },
+        |yaml| {
+            let text = serde_yaml_ng::to_string(yaml).unwrap();
+            let text = text.replace(&wasm_module().to_string_lossy().into_owned(), &faulty.to_string_lossy());
+            *yaml = serde_yaml_ng::from_str(&text).unwrap();
+        },
+    );
+    d.wait_for_service(2);
+    let takes = || d.envoy.log_text().matches("does the service's work (lease taken)").count();
+    assert_eq!(takes(), 1);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let statuses = std::thread::scope(|s| {
+        let load = s.spawn(|| {
+            let mut statuses = Vec::new();
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                statuses.push(d.chat(&chat_body(&format!("during takeover {i}"), 2, false)).status);
+                i += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            statuses
+        });
+        let armed = d.chat_with_headers(&chat_body("trap", 1, false), &[("x-sgl-fault", "trap-service")]);
+        assert_eq!(armed.status, 202, "{}", armed.body);
+        wait_for("the holder to trap", Duration::from_secs(10), || {
+            d.envoy.log_text().contains("the VM doing the service's work traps now").then_some(())
+        });
+        wait_for("another VM to take the lease", Duration::from_secs(20), || (takes() >= 2).then_some(()));
+        // The new holder checks health: A out and back.
+        d.sim("A").control(json!({"health": {"status": 503}}));
+        wait_for("A out of rotation", Duration::from_secs(15), || {
+            (d.served_counts(4).get("B") == Some(&4)).then_some(())
+        });
+        d.sim("A").control(json!({"health": {"status": null}}));
+        wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        load.join().unwrap()
+    });
+    let log = d.envoy.log_text();
+    let at =
+        |needle: &str, nth: usize| log.lines().filter(|l| l.contains(needle)).nth(nth).map(|l| l[1..24].to_string());
+    eprintln!(
+        "takeover: trapped at {:?}, lease taken again at {:?}",
+        at("traps now", 0),
+        at("does the service's work (lease taken)", 1)
+    );
+    assert!(!statuses.is_empty() && statuses.iter().all(|s| *s == 200), "every request served: {statuses:?}");
+}

@@ -208,6 +208,10 @@ impl Stream {
     fn on_request_headers(&mut self, end_of_stream: bool) -> Flow {
         // The whole map in one host call: each header read alone is a copy into the VM of its own.
         let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        #[cfg(feature = "fault-injection")]
+        if super::faults::arm_if_asked(&headers, self.app.borrow().handles().host.as_ref()) {
+            return Flow::Pause;
+        }
         let mut actions = self.take_actions();
         self.life.on_request_headers(&self.app.borrow(), headers, end_of_stream, &mut actions);
         Self::flow(self.carry_out(actions))

@@ -2,6 +2,8 @@
 //! decides: the filter applies decisions to requests, the service runs the core's monitors on its
 //! ticks and publishes their tables.
 
+#[cfg(feature = "fault-injection")]
+mod faults;
 mod filter;
 mod host;
 mod root;

@@ -257,6 +257,10 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        #[cfg(feature = "fault-injection")]
+        if let (Some(_), Some(_), Some(host)) = (&self.service, &self.filter, &self.host) {
+            super::faults::spring_if_armed(host.as_ref());
+        }
         if let Some(service) = self.service.as_mut() {
             service.on_tick();
         }

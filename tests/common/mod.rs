@@ -69,6 +69,11 @@ pub fn wasm_module() -> PathBuf {
     require(target_dir().join("wasm32-wasip1/release/sgl_envoy_router.wasm"), "the wasm module")
 }
 
+/// The module with test-only faults (`--features fault-injection`, src/proxy/faults.rs).
+pub fn wasm_module_with_faults() -> PathBuf {
+    require(target_dir().join("wasm32-wasip1/release/sgl_envoy_router_faults.wasm"), "the module with faults")
+}
+
 /// `scripts/envoy`: `$ENVOY`, else func-e's Envoy when func-e is on PATH, else the pinned wheel's.
 pub fn envoy_bin() -> PathBuf {
     match std::env::var_os("ENVOY_BIN") {
