@@ -242,6 +242,38 @@ fn a_burst_over_two_envoys_asking_different_indexers_lands_on_one_engine() {
     assert!(answered_by_second >= 10.0, "the second Envoy asked its own first indexer ({answered_by_second})");
 }
 
+/// Engines that publish no KV events (older SGLang, vLLM without events): the indexer keeps what
+/// any Envoy routed to them, past the window a routed notice covers for engines that do publish,
+/// so a prompt one Envoy sent an engine reaches that engine through another Envoy.
+#[test]
+fn engines_without_events_share_what_any_envoy_routed_to_them() {
+    let indexer = free_port();
+    let specs = ["A", "B", "C", "D"].map(SimSpec::plain).to_vec();
+    let d = Deployment::start("replicas_silent", specs, |sims| router(sims, &[], &[indexer], 64));
+    let _indexer = start_indexer(&d.dir, indexer);
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(d.dir.join("router.json")).unwrap()).unwrap();
+    assert!(config["workers"].as_array().unwrap().iter().all(|w| w.get("kv_events").is_none()), "no engine publishes");
+    let other = another_envoy(&config, &d.dir.join("second-envoy"));
+    d.wait_for_service(4);
+    let nonce = now_unix_ms();
+    let systems: Vec<String> =
+        (0..6).map(|i| format!("Run {nonce}, desk {i}: you answer for desk {i} only. ").repeat(12)).collect();
+    let first: Vec<String> = systems.iter().map(|s| d.chat(&ask(s, "first question")).engine()).collect();
+    // Longer than a routed notice holds for an engine that publishes (it would have said so by now).
+    std::thread::sleep(Duration::from_millis(2_500));
+    let second: Vec<String> = systems
+        .iter()
+        .map(|s| {
+            let r = send(&other.url("/v1/chat/completions"), "POST", Some(&ask(s, "second question")), &[]);
+            assert_eq!(r.status, 200, "{}", r.body);
+            r.engine()
+        })
+        .collect();
+    assert_eq!(second, first, "each prompt back at the engine the other Envoy sent it to");
+    let metrics = send(&format!("http://127.0.0.1:{indexer}/metrics"), "GET", None, &[]).body;
+    assert!(metrics.lines().any(|l| l.starts_with("sgl_indexer_routed_blocks ") && !l.ends_with(" 0")), "{metrics}");
+}
+
 /// Engine A (with replay) holds S1 and engine B (without) holds S2, and both go quiet. A
 /// restarted indexer knows S1 from A's replay within 3 s; only an indexer started from a peer
 /// knows S2, also within 3 s. Each is checked by where Envoy routes the prefix.

@@ -317,6 +317,16 @@ pub struct Index {
     /// all, so arrival order is expiry order and expiring costs what expires, not a scan.
     expiries: VecDeque<(u64, u64, EngineRank)>,
     max_speculative: usize,
+    /// Blocks routed to engines that publish no KV events: what routers' notices say is all the
+    /// index knows of them, so the entries stay until the least recently routed go, past
+    /// `max_routed` entries for the model (as a router's own tree evicts).
+    routed: HashMap<u64, Vec<(EngineRank, u64)>>,
+    /// Every routed entry as (stamp, key, engine rank), least recently routed first; an entry
+    /// routed again leaves a stale one behind, skipped when it comes up.
+    routed_order: VecDeque<(u64, u64, EngineRank)>,
+    routed_entries: usize,
+    routed_stamp: u64,
+    max_routed: usize,
     pages: usize,
     /// The keys the page being stored completed (kept to spare an allocation a page).
     scratch: Vec<u64>,
@@ -355,6 +365,11 @@ impl Index {
             speculative: HashMap::new(),
             expiries: VecDeque::new(),
             max_speculative: MAX_SPECULATIVE,
+            routed: HashMap::new(),
+            routed_order: VecDeque::new(),
+            routed_entries: 0,
+            routed_stamp: 0,
+            max_routed: MAX_SPECULATIVE,
             pages: 0,
             scratch: Vec::new(),
             counters: Counters::default(),
@@ -364,6 +379,12 @@ impl Index {
     /// Bounds the speculative entries (default [`MAX_SPECULATIVE`]).
     pub fn with_max_speculative(mut self, entries: usize) -> Self {
         self.max_speculative = entries.max(1);
+        self
+    }
+
+    /// Bounds the entries routed to engines without KV events (default [`MAX_SPECULATIVE`]).
+    pub fn with_max_routed(mut self, entries: usize) -> Self {
+        self.max_routed = entries.max(1);
         self
     }
 
@@ -537,6 +558,48 @@ impl Index {
         }
     }
 
+    /// A router sent these blocks to `engine`, which publishes no KV events: the index holds them
+    /// for it until they are the least recently routed past the bound. Routed again, an entry is
+    /// the most recent once more.
+    pub fn add_routed(&mut self, engine: &str, rank: u32, keys: &[u64]) {
+        let e = EngineRank { engine: self.engine_id(engine), rank };
+        for key in keys {
+            self.routed_stamp += 1;
+            let stamp = self.routed_stamp;
+            let entry = self.routed.entry(*key).or_default();
+            match entry.iter_mut().find(|(x, _)| *x == e) {
+                Some(slot) => slot.1 = stamp,
+                None => {
+                    entry.push((e, stamp));
+                    self.routed_entries += 1;
+                }
+            }
+            self.routed_order.push_back((stamp, *key, e));
+        }
+        while self.routed_entries > self.max_routed {
+            let Some((stamp, key, e)) = self.routed_order.pop_front() else { break };
+            let Some(entry) = self.routed.get_mut(&key) else { continue };
+            let before = entry.len();
+            entry.retain(|(x, s)| *x != e || *s != stamp);
+            self.routed_entries -= before - entry.len();
+            if entry.is_empty() {
+                self.routed.remove(&key);
+            }
+        }
+        // Stale entries (routed again since) are dropped once they outnumber the live ones.
+        if self.routed_order.len() > 2 * self.routed_entries + 1024 {
+            let mut live: Vec<(u64, u64, EngineRank)> =
+                self.routed.iter().flat_map(|(key, v)| v.iter().map(move |(e, s)| (*s, *key, *e))).collect();
+            live.sort_unstable_by_key(|(s, _, _)| *s);
+            self.routed_order = live.into();
+        }
+    }
+
+    /// Entries routed to engines without KV events.
+    pub fn routed_blocks(&self) -> usize {
+        self.routed_entries
+    }
+
     /// Drops speculative entries past their time (the indexer runs it on a timer).
     pub fn expire_speculative(&mut self, now_ms: u64) {
         while self.expiries.front().is_some_and(|(until, _, _)| *until <= now_ms) {
@@ -579,6 +642,7 @@ impl Index {
         let mut holders: Vec<Holder> = Vec::new();
         let routed_to = |key: &u64, at: EngineRank| {
             self.speculative.get(key).is_some_and(|s| s.iter().any(|(x, until)| *x == at && *until > now_ms))
+                || self.routed.get(key).is_some_and(|r| r.iter().any(|(x, _)| *x == at))
         };
         let Some(first) = keys.first() else { return Vec::new() };
         let mut walks: Vec<Walk> = Vec::new();
@@ -586,7 +650,8 @@ impl Index {
         let starters = holders
             .iter()
             .map(|h| EngineRank { engine: h.engine, rank: h.rank })
-            .chain(self.speculative.get(first).into_iter().flatten().filter(|(_, u)| *u > now_ms).map(|(at, _)| *at));
+            .chain(self.speculative.get(first).into_iter().flatten().filter(|(_, u)| *u > now_ms).map(|(at, _)| *at))
+            .chain(self.routed.get(first).into_iter().flatten().map(|(at, _)| *at));
         for at in starters {
             if !walks.iter().any(|w| w.at == at) {
                 walks.push(Walk {
@@ -930,6 +995,29 @@ mod tests {
         assert!(index.counters.evicted_pages >= 136);
         let recent: Vec<u32> = (396..400).collect();
         assert_eq!(matched(&index, &recent).len(), 2, "the newest pages survive");
+    }
+
+    #[test]
+    fn routed_entries_stay_past_any_ttl_and_the_least_recently_routed_go_first() {
+        let mut index = Index::new(4, 100).with_max_routed(6);
+        index.add_routed("A", 0, &[1, 2, 3]);
+        index.add_routed("B", 0, &[1, 2, 3]);
+        let far = u64::MAX / 2;
+        assert_eq!(
+            index.match_keys(&[1, 2, 3], far).iter().map(|(e, m)| (e.as_str(), m.matched_tokens)).collect::<Vec<_>>(),
+            [("A", 12), ("B", 12)]
+        );
+        assert_eq!(index.match_keys(&[1, 2, 3], far)[0].1.confirmed_tokens, 0, "routed, not confirmed");
+        index.add_routed("A", 0, &[1, 2, 3]); // A's entries are the most recent now
+        index.add_routed("C", 0, &[7]);
+        assert_eq!(index.routed_blocks(), 6);
+        let matched: Vec<String> = index.match_keys(&[1, 2, 3], far).into_iter().map(|(e, _)| e).collect();
+        assert_eq!(matched, ["A"], "B's first block, the least recently routed, went first: B matches nothing");
+        for i in 0..5_000 {
+            index.add_routed("A", 0, &[100 + i % 3]);
+        }
+        assert!(index.routed_order.len() <= 2 * index.routed_entries + 1024 + 1, "stale entries are compacted");
+        assert_eq!(index.routed_blocks(), 6);
     }
 
     #[test]

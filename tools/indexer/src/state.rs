@@ -210,6 +210,8 @@ pub struct App {
     /// Per (worker, rank); locked inside `indexes`, so a snapshot's pages and sequence agree.
     ranks: Mutex<HashMap<(String, u32), RankStatus>>,
     worker_model: HashMap<String, String>,
+    /// Engines that publish no KV events: their routed notices are all the index knows of them.
+    silent: std::collections::HashSet<String>,
     handles: Mutex<Handles>,
     /// Routed notices that came before their handle (see [`App::routed`]).
     pending_notices: Mutex<Vec<PendingNotice>>,
@@ -271,12 +273,29 @@ impl App {
         let block_tokens = config.prefix_index.as_ref().map_or(16, |p| p.block_tokens).clamp(1, 1 << 16) as u32;
         let models = config.models.len().max(1);
         let (pages, speculative) = (budget.index_pages / models, budget.speculative_entries / models);
+        // Engines without KV events are known by routed notices alone, kept as a router's tree
+        // would keep them: up to the model's largest `max_tree_tokens` among its remote policies,
+        // within the memory budget.
+        let routed_blocks = |model: &str| {
+            let tree = config.models.get(model).and_then(|m| {
+                m.cache_aware_policies()
+                    .filter(|c| c.source == CacheSourceKind::Remote)
+                    .map(|c| c.max_tree_tokens)
+                    .max()
+            });
+            let blocks = tree.map_or(0, |t| t / u64::from(block_tokens)) as usize;
+            blocks.clamp(1, speculative.max(1))
+        };
         let indexes = config
             .models
             .keys()
-            .map(|m| (m.clone(), Index::new(block_tokens, pages).with_max_speculative(speculative)))
+            .map(|m| {
+                let index = Index::new(block_tokens, pages).with_max_speculative(speculative);
+                (m.clone(), index.with_max_routed(routed_blocks(m)))
+            })
             .collect();
         let worker_model = config.workers.iter().map(|w| (w.id.clone(), w.model.clone())).collect();
+        let silent = config.workers.iter().filter(|w| w.kv_events.is_none()).map(|w| w.id.clone()).collect();
         // A claim matters only to policies reading this index, and only by a gain they count as a hit.
         let min_gain = config
             .models
@@ -293,6 +312,7 @@ impl App {
             indexes: Mutex::new(indexes),
             ranks: Mutex::default(),
             worker_model,
+            silent,
             handles: Mutex::default(),
             pending_notices: Mutex::default(),
             budget,
@@ -627,7 +647,12 @@ impl App {
     fn apply_notice(&self, handle: u64, model: &str, keys: &[u64], worker: &str, dp_rank: Option<u32>) {
         let until = now_ms() + SPECULATIVE_TTL_MS;
         self.stats.routed_notices.fetch_add(1, Ordering::Relaxed);
-        self.with_index(model, |index| index.add_speculative(worker, dp_rank.unwrap_or(0), keys, until));
+        let rank = dp_rank.unwrap_or(0);
+        if self.silent.contains(worker) {
+            self.with_index(model, |index| index.add_routed(worker, rank, keys));
+        } else {
+            self.with_index(model, |index| index.add_speculative(worker, rank, keys, until));
+        }
         self.claims.routed(handle, now_ms());
     }
 
@@ -639,7 +664,8 @@ impl App {
         let mut line = |name: &str, help: &str, kind: &str, value: u64| {
             out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
         };
-        let gauges: [(&str, &str, u64); 6] = [
+        let routed_blocks: usize = lock(&self.indexes).values().map(Index::routed_blocks).sum();
+        let gauges: [(&str, &str, u64); 7] = [
             ("sgl_indexer_subscriptions", "engine ranks configured to publish events", load(&s.subscriptions)),
             ("sgl_indexer_subscribed", "engine ranks subscribed at least once", load(&s.subscribed)),
             ("sgl_indexer_claims_open", "matches claimed and not yet routed", self.claims.open(now_ms()) as u64),
@@ -650,6 +676,11 @@ impl App {
             ),
             ("sgl_indexer_handle_bytes", "what the match handles hold", self.handle_bytes() as u64),
             ("sgl_indexer_max_pages", "the index's page limit, from the memory budget", self.budget.index_pages as u64),
+            (
+                "sgl_indexer_routed_blocks",
+                "blocks held for engines without KV events, from routed notices",
+                routed_blocks as u64,
+            ),
         ];
         let counters: [(&str, &str, &AtomicU64); 24] = [
             (
