@@ -185,6 +185,59 @@ fn a_shared_system_prompt_goes_to_its_holder_on_every_vm_until_the_pressure_guar
     assert_ne!(moved.engine(), holder, "the pressure guard moved it");
 }
 
+/// Without a bootstrap service (a filter VM elected to do its work), both worker VMs route a
+/// shared system prompt to its holder, and keep doing so after the elected VM crashes: the next
+/// holder resumes the prefix log, so no replica starts over.
+#[test]
+fn with_an_embedded_service_the_tree_is_shared_and_outlives_a_takeover() {
+    let faulty = wasm_module_with_faults();
+    let d = Deployment::start_with(
+        "cache_aware_embedded",
+        engines(&["A", "B", "C"]),
+        |sims| {
+            let mut router = cache_router(sims);
+            router["service"] = json!({"mode": "embedded"});
+            router
+        },
+        |yaml| {
+            balanced(yaml);
+            let text = serde_yaml_ng::to_string(yaml).unwrap();
+            let text = text.replace(&wasm_module().to_string_lossy().into_owned(), &faulty.to_string_lossy());
+            *yaml = serde_yaml_ng::from_str(&text).unwrap();
+        },
+    );
+    d.wait_for_service(3);
+    let first = d.chat(&with_system("first question"));
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = first.engine();
+    wait_for_replicas(&d, 1.0);
+    let clients = d.two_vm_clients();
+    let follow = |from: usize, n: usize| -> Vec<Reply> {
+        (from..from + n).map(|i| d.chat_on(&clients[i % 2], &with_system(&format!("follow-up {i}")), &[])).collect()
+    };
+    let before = follow(0, 10);
+    assert!(before.iter().all(|r| r.engine() == holder), "the holder serves it from both VMs");
+    assert_both_vms(&before);
+    let resyncs = || -> f64 {
+        let text = d.envoy.admin("/stats/prometheus");
+        text.lines()
+            .filter(|l| l.starts_with("sgl_router_prefix_replica_resyncs{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let resynced = resyncs();
+
+    let armed = d.chat_with_headers(&with_system("trap"), &[("x-sgl-fault", "trap-service")]);
+    assert_eq!(armed.status, 202, "{}", armed.body);
+    wait_for("another VM to take the lease", Duration::from_secs(20), || {
+        (d.envoy.log_text().matches("does the service's work (lease taken)").count() >= 2).then_some(())
+    });
+    let after = follow(10, 10);
+    let engines: Vec<String> = after.iter().map(Reply::engine).collect();
+    assert!(engines.iter().all(|e| *e == holder), "still the holder after the takeover: {engines:?}");
+    assert_eq!(resyncs(), resynced, "no replica started over");
+}
+
 #[test]
 fn the_prefix_tree_stays_within_its_budget_after_20000_distinct_prompts() {
     const PROMPTS: usize = 20_000;
