@@ -355,6 +355,17 @@ fn the_istio_shape_routes_and_follows_an_ecds_update() {
     assert!(!d.served_counts(6).contains_key("C"), "C fails its health checks: no traffic");
     c.control(serde_json::json!({"health": {"status": null}}));
     wait_for("C in rotation", Duration::from_secs(15), || d.served_counts(6).contains_key("C").then_some(()));
+
+    // An update that removes B (from the plugin's configuration and the Service's endpoints):
+    // B gets nothing once it is live.
+    let docs = render_mesh(&mesh_router(&[a, c]), &dir, "--istio");
+    replace(&dir, "ecds.json", &ecds_for(&docs));
+    replace(&dir, "eds.json", &endpoints(&cluster_name, &[a, c]));
+    wait_for("B gone from the rotation", Duration::from_secs(15), || {
+        let counts = d.served_counts(6);
+        (!counts.contains_key("B") && counts.contains_key("A") && counts.contains_key("C")).then_some(())
+    });
+    assert!(!d.served_counts(12).contains_key("B"), "a removed engine gets nothing");
 }
 
 /// `render --envoy-gateway` as Envoy Gateway's translator hands it to its proxy: the plugin inline
