@@ -145,6 +145,9 @@ def envoy_with_filter(name, cfg, wasm=None, concurrency=2):
     path.write_text(json.dumps(cfg))
     yaml = subprocess.run([bin_("sgl-envoy-router"), "render", str(path), "--wasm", str(wasm or TARGET / "wasm32-wasip1/release/sgl_envoy_router.wasm"),
                            "--listen", f"127.0.0.1:{port}", "--admin", str(admin)], capture_output=True, text=True, check=True).stdout
+    if wasm:
+        # An older build refuses the fields it predates, and `render` names the namespace.
+        yaml = yaml.replace('"namespace":"sgl_router",', "")
     (RUN / f"{name}.envoy.yaml").write_text(yaml)
     p = start(name, [str(ENVOY), "-c", str(RUN / f"{name}.envoy.yaml"), "--concurrency", str(concurrency), "--disable-hot-restart", "-l", "warning"])
     wait_http(f"http://127.0.0.1:{admin}/ready")
