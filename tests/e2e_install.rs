@@ -263,20 +263,8 @@ fn routes_checks_health_and_holds_caps(d: &Deployment) {
     );
     let counts = d.served_counts(8);
     assert_eq!((counts.get("A"), counts.get("B")), (Some(&4), Some(&4)), "one rotation over both threads: {counts:?}");
-    d.sim("A").control(serde_json::json!({"health": {"status": 503}}));
-    wait_for("A out of rotation", Duration::from_secs(15), || (d.served_counts(4).get("B") == Some(&4)).then_some(()));
-    d.sim("A").control(serde_json::json!({"health": {"status": null}}));
-    wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
-    let clients = d.two_vm_clients();
-    let answers: Vec<u16> = std::thread::scope(|s| {
-        let running: Vec<_> = (0..6)
-            .map(|i| {
-                let client = &clients[i % 2];
-                s.spawn(move || d.chat_on(client, &chat_body(&format!("cap {i}"), 40, false), &[]).status)
-            })
-            .collect();
-        running.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    d.health_out_and_back("A");
+    let answers = d.statuses_at_once(6);
     assert_eq!(answers.iter().filter(|s| **s == 200).count(), 2, "one per engine over both threads: {answers:?}");
 }
 

@@ -39,10 +39,7 @@ fn override_host_routes_and_health_checks_through_one_cluster() {
     }
     assert_eq!(d.sim("A").state()["served"], 6, "A served its rotation share only");
 
-    d.sim("A").control(json!({"health": {"status": 503}}));
-    wait_for("A out of rotation", Duration::from_secs(15), || (d.served_counts(4).get("B") == Some(&4)).then_some(()));
-    d.sim("A").control(json!({"health": {"status": null}}));
-    wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
+    d.health_out_and_back("A");
 }
 
 /// An engine that refuses connections: the request goes to the fallback its group's policy named
@@ -105,23 +102,10 @@ fn an_embedded_service_checks_health_and_caps_hold_across_threads() {
     d.wait_for_service(2);
     assert!(d.envoy.log_text().contains("this filter VM does the service's work"));
 
-    d.sim("A").control(json!({"health": {"status": 503}}));
-    wait_for("A out of rotation", Duration::from_secs(15), || (d.served_counts(4).get("B") == Some(&4)).then_some(()));
-    d.sim("A").control(json!({"health": {"status": null}}));
-    wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
+    d.health_out_and_back("A");
 
     // Six long requests at once over both threads: one per engine runs, the rest are refused.
-    let clients = d.two_vm_clients();
-    let answers: Vec<u16> = std::thread::scope(|s| {
-        let running: Vec<_> = (0..6)
-            .map(|i| {
-                let client = &clients[i % 2];
-                let d = &d;
-                s.spawn(move || d.chat_on(client, &chat_body(&format!("cap {i}"), 40, false), &[]).status)
-            })
-            .collect();
-        running.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let answers = d.statuses_at_once(6);
     let ok = answers.iter().filter(|s| **s == 200).count();
     assert_eq!(ok, 2, "one per engine, whichever thread decided: {answers:?}");
 }
@@ -249,12 +233,7 @@ fn a_crashed_service_holder_is_replaced_and_no_request_fails() {
         });
         wait_for("another VM to take the lease", Duration::from_secs(20), || (takes() >= 2).then_some(()));
         // The new holder checks health: A out and back.
-        d.sim("A").control(json!({"health": {"status": 503}}));
-        wait_for("A out of rotation", Duration::from_secs(15), || {
-            (d.served_counts(4).get("B") == Some(&4)).then_some(())
-        });
-        d.sim("A").control(json!({"health": {"status": null}}));
-        wait_for("A back", Duration::from_secs(15), || d.served_counts(4).contains_key("A").then_some(()));
+        d.health_out_and_back("A");
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         load.join().unwrap()
     });

@@ -487,6 +487,34 @@ impl Deployment {
         [a, b]
     }
 
+    /// `engine` fails its health checks until it is out of the rotation, then passes them until
+    /// it is back: what the service's health checks must do, wherever they run.
+    pub fn health_out_and_back(&self, engine: &str) {
+        self.sim(engine).control(json!({"health": {"status": 503}}));
+        wait_for(&format!("{engine} out of rotation"), Duration::from_secs(15), || {
+            (!self.served_counts(4).contains_key(engine)).then_some(())
+        });
+        self.sim(engine).control(json!({"health": {"status": null}}));
+        wait_for(&format!("{engine} back"), Duration::from_secs(15), || {
+            self.served_counts(4).contains_key(engine).then_some(())
+        });
+    }
+
+    /// `n` chats of 40 tokens sent at once, alternately from each worker thread's client: their
+    /// statuses (what admission caps let through across threads).
+    pub fn statuses_at_once(&self, n: usize) -> Vec<u16> {
+        let clients = self.two_vm_clients();
+        std::thread::scope(|s| {
+            let running: Vec<_> = (0..n)
+                .map(|i| {
+                    let client = &clients[i % 2];
+                    s.spawn(move || self.chat_on(client, &chat_body(&format!("at once {i}"), 40, false), &[]).status)
+                })
+                .collect();
+            running.into_iter().map(|h| h.join().unwrap_or(0)).collect()
+        })
+    }
+
     /// Sends `requests` short chats, each answered 200 with `x-sgl-worker` naming the engine
     /// that served it; how many each engine served.
     pub fn served_counts(&self, requests: usize) -> std::collections::HashMap<String, usize> {
