@@ -156,14 +156,20 @@ fn wait_for_replicas(d: &Deployment, head_at_least: f64) {
     });
 }
 
-#[test]
-fn a_shared_system_prompt_goes_to_its_holder_on_every_vm_until_the_pressure_guard_moves_it() {
-    let d = Deployment::start_with("cache_aware", engines(&["A", "B", "C"]), cache_router, balanced);
+/// Sends the system prompt's first question once the service is up: the engine that holds it,
+/// once every replica knows.
+fn first_holder(d: &Deployment) -> String {
     d.wait_for_service(3);
     let first = d.chat(&with_system("first question"));
     assert_eq!(first.status, 200, "{}", first.body);
-    let holder = first.engine();
-    wait_for_replicas(&d, 1.0);
+    wait_for_replicas(d, 1.0);
+    first.engine()
+}
+
+#[test]
+fn a_shared_system_prompt_goes_to_its_holder_on_every_vm_until_the_pressure_guard_moves_it() {
+    let d = Deployment::start_with("cache_aware", engines(&["A", "B", "C"]), cache_router, balanced);
+    let holder = first_holder(&d);
 
     let clients = d.two_vm_clients();
     let mut replies = Vec::new();
@@ -206,11 +212,7 @@ fn with_an_embedded_service_the_tree_is_shared_and_outlives_a_takeover() {
             *yaml = serde_yaml_ng::from_str(&text).unwrap();
         },
     );
-    d.wait_for_service(3);
-    let first = d.chat(&with_system("first question"));
-    assert_eq!(first.status, 200, "{}", first.body);
-    let holder = first.engine();
-    wait_for_replicas(&d, 1.0);
+    let holder = first_holder(&d);
     let clients = d.two_vm_clients();
     let follow = |from: usize, n: usize| -> Vec<Reply> {
         (from..from + n).map(|i| d.chat_on(&clients[i % 2], &with_system(&format!("follow-up {i}")), &[])).collect()
