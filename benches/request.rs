@@ -11,110 +11,24 @@
 // A benchmark stops at the first thing that is not what it measures.
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use sgl_envoy_router::config::parse_and_validate;
 use sgl_envoy_router::filter::life::{Action, RequestLife};
 use sgl_envoy_router::filter::AppContext;
-use sgl_envoy_router::host::{Host, HostError, MemoryHost, SharedValue};
+use sgl_envoy_router::host::{Host, MemoryHost};
 use sgl_envoy_router::service::{PollKind, ServiceCore};
 use sgl_envoy_router::wiring::factory::filter_handles;
 
-/// Counts every allocation, so a phase's count is the difference across it.
-struct Counting;
+#[path = "../tests/support/counting.rs"]
+mod counting;
 
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-static ALLOCATED_BYTES: AtomicU64 = AtomicU64::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        ALLOCATED_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        ALLOCATED_BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use counting::{Counting, CountingHost, ALLOCATED_BYTES, ALLOCATIONS};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
-
-/// Host calls are counted by kind and by the table the key belongs to (the key without its
-/// per-worker or per-instance tail), without allocating.
-const TABLES: [&str; 9] = [
-    "sgl.inflight",
-    "sgl.load",
-    "sgl.health",
-    "sgl.breakers",
-    "sgl.rr",
-    "sgl.affinity",
-    "sgl.prefix",
-    "sgl.vms",
-    "other",
-];
-const KINDS: [&str; 5] = ["shared_get", "shared_set", "now_ms", "random_u64", "enqueue"];
-
-#[derive(Debug)]
-struct CountingHost {
-    inner: MemoryHost,
-    calls: [[AtomicU64; TABLES.len()]; KINDS.len()],
-}
-
-fn table(key: &str) -> usize {
-    TABLES.iter().position(|t| key.starts_with(t)).unwrap_or(TABLES.len() - 1)
-}
-
-impl CountingHost {
-    fn count(&self, kind: usize, key: &str) {
-        self.calls[kind][table(key)].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn take(&self) -> Vec<(String, u64)> {
-        let mut out = Vec::new();
-        for (k, row) in self.calls.iter().enumerate() {
-            for (t, n) in row.iter().enumerate() {
-                let n = n.swap(0, Ordering::Relaxed);
-                if n > 0 {
-                    let name = if k >= 2 { KINDS[k].to_string() } else { format!("{} {}", KINDS[k], TABLES[t]) };
-                    out.push((name, n));
-                }
-            }
-        }
-        out
-    }
-}
-
-impl Host for CountingHost {
-    fn shared_get(&self, key: &str) -> Result<Option<SharedValue>, HostError> {
-        self.count(0, key);
-        self.inner.shared_get(key)
-    }
-    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), HostError> {
-        self.count(1, key);
-        self.inner.shared_set(key, value, cas)
-    }
-    fn now_ms(&self) -> u64 {
-        self.count(2, "");
-        self.inner.now_ms()
-    }
-    fn random_u64(&self) -> u64 {
-        self.count(3, "");
-        self.inner.random_u64()
-    }
-    fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
-        self.count(4, name);
-        self.inner.enqueue(name, message)
-    }
-}
 
 fn router_config(engines: usize, policy: &str) -> String {
     let workers: Vec<_> = (0..engines)
@@ -175,7 +89,7 @@ const PHASES: [&str; 4] = ["request headers", "body (prepare, select, dispatch)"
 
 fn run(engines: usize, policy: &str, requests: u32) {
     let config = parse_and_validate(&router_config(engines, policy)).unwrap_or_else(|e| panic!("{e}"));
-    let host = Arc::new(CountingHost { inner: MemoryHost::new(7), calls: Default::default() });
+    let host = Arc::new(CountingHost::new(MemoryHost::new(7)));
     let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
     publish_state(&mut service, &host);
     let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1);
