@@ -249,8 +249,14 @@ fn a_burst_over_two_envoys_asking_different_indexers_lands_on_one_engine() {
 fn engines_without_events_share_what_any_envoy_routed_to_them() {
     let indexer = free_port();
     let specs = ["A", "B", "C", "D"].map(SimSpec::plain).to_vec();
-    // A budget that holds on a busy CI machine: an answer past it is unavailable, routed on load.
-    let d = Deployment::start("replicas_silent", specs, |sims| router_with_timeout(sims, &[], &[indexer], 64, 1000));
+    // Budgets that hold on a busy CI machine (other tests tokenize bursts beside this one): an
+    // indexer answer past its budget would be routed on load, and a health check past its timeout
+    // twice would take an engine out of the second Envoy's rotation.
+    let d = Deployment::start("replicas_silent", specs, |sims| {
+        let mut r = router_with_timeout(sims, &[], &[indexer], 64, 1000);
+        r["health"] = json!({"interval_ms": 500, "timeout_ms": 2000, "failure_threshold": 5, "success_threshold": 1});
+        r
+    });
     let _indexer = start_indexer(&d.dir, indexer);
     let config: Value = serde_json::from_str(&std::fs::read_to_string(d.dir.join("router.json")).unwrap()).unwrap();
     assert!(config["workers"].as_array().unwrap().iter().all(|w| w.get("kv_events").is_none()), "no engine publishes");
@@ -270,7 +276,17 @@ fn engines_without_events_share_what_any_envoy_routed_to_them() {
             r.engine()
         })
         .collect();
-    assert_eq!(second, first, "each prompt back at the engine the other Envoy sent it to");
+    let views: Vec<Value> =
+        systems.iter().map(|s| indexer_match(indexer, &ask(s, "second question"))["data"].clone()).collect();
+    let lookups = other.admin("/stats/prometheus");
+    let lookups: Vec<&str> = lookups
+        .lines()
+        .filter(|l| l.starts_with("sgl_router_prefix_lookups_total") || l.starts_with("sgl_router_healthy_workers"))
+        .collect();
+    assert_eq!(
+        second, first,
+        "each prompt back at the engine the other Envoy sent it to\nindexer: {views:#?}\n{lookups:#?}"
+    );
     let metrics = send(&format!("http://127.0.0.1:{indexer}/metrics"), "GET", None, &[]).body;
     assert!(metrics.lines().any(|l| l.starts_with("sgl_indexer_routed_blocks ") && !l.ends_with(" 0")), "{metrics}");
 }
