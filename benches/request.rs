@@ -19,7 +19,7 @@ use sgl_envoy_router::config::parse_and_validate;
 use sgl_envoy_router::filter::life::{Action, RequestLife};
 use sgl_envoy_router::filter::AppContext;
 use sgl_envoy_router::host::{Host, MemoryHost};
-use sgl_envoy_router::service::{PollKind, ServiceCore};
+use sgl_envoy_router::service::ServiceCore;
 use sgl_envoy_router::wiring::factory::filter_handles;
 
 #[path = "../tests/support/counting.rs"]
@@ -39,22 +39,6 @@ fn router_config(engines: usize, policy: &str) -> String {
         "models": {"m": {"buckets": [{"id": "all", "groups": {"plain": {"policy": {"type": policy}}}}]}},
     })
     .to_string()
-}
-
-/// The service's loads and health for every engine, published as in Envoy.
-fn publish_state(service: &mut ServiceCore, host: &CountingHost) {
-    let loads = br#"{"loads":[{"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":0,"num_used_tokens":1000,"max_total_num_tokens":100000,"max_running_requests":64}]}"#;
-    for _ in 0..3 {
-        let now = host.inner.now_ms();
-        for poll in service.tick(now).polls {
-            let body: &[u8] = match poll.kind {
-                PollKind::Load(_) => loads,
-                PollKind::Health(_) => b"",
-            };
-            service.on_poll_answer(poll.kind, poll.generation, Some(200), body, now);
-        }
-        host.inner.advance_ms(2_000);
-    }
 }
 
 #[derive(Default)]
@@ -91,7 +75,7 @@ fn run(engines: usize, policy: &str, requests: u32) {
     let config = parse_and_validate(&router_config(engines, policy)).unwrap_or_else(|e| panic!("{e}"));
     let host = Arc::new(CountingHost::new(MemoryHost::new(7)));
     let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
-    publish_state(&mut service, &host);
+    counting::publish(&mut service, &host);
     let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1);
     let app = AppContext::new(config, handles);
     // 4 KiB of conversation, as the overhead bench sends; the prompt varies per request.

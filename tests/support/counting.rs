@@ -7,6 +7,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sgl_envoy_router::host::{Host, HostError, MemoryHost, SharedValue};
+use sgl_envoy_router::service::{PollKind, ServiceCore};
 
 /// Counts every allocation, so a stretch's count is the difference across it.
 pub struct Counting;
@@ -105,5 +106,22 @@ impl Host for CountingHost {
     fn enqueue(&self, name: &str, message: &[u8]) -> Result<(), HostError> {
         self.count(4, name);
         self.inner.enqueue(name, message)
+    }
+}
+
+/// The service's loads and health for every engine, published as in Envoy: three rounds of polls
+/// answered, two seconds apart.
+pub fn publish(service: &mut ServiceCore, host: &CountingHost) {
+    let loads = br#"{"loads":[{"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":0,"num_used_tokens":1000,"max_total_num_tokens":100000,"max_running_requests":64}]}"#;
+    for _ in 0..3 {
+        let now = host.inner.now_ms();
+        for poll in service.tick(now).polls {
+            let body: &[u8] = match poll.kind {
+                PollKind::Load(_) => loads,
+                PollKind::Health(_) => b"",
+            };
+            service.on_poll_answer(poll.kind, poll.generation, Some(200), body, now);
+        }
+        host.inner.advance_ms(2_000);
     }
 }
