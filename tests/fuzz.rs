@@ -302,7 +302,7 @@ proptest! {
     #[test]
     #[ignore = "scripts/fuzz"]
     fn a_body_the_filter_accepts_is_edited_and_keeps_its_facts(body in prop_oneof![raw_chat_body(), chat_body(), bytes()]) {
-        use sgl_envoy_router::filter::generation::body_edit::{with_members, Member};
+        use sgl_envoy_router::filter::generation::body_edit::{edit_members, with_members, Member};
         let Ok((facts, _)) = prepare_chat(&body, 4, true) else { return Ok(()) };
         let set = [
             Member::new("rid", &json!("sgl-0")),
@@ -312,6 +312,10 @@ proptest! {
         let edited = with_members(&body, &set);
         prop_assert!(edited.is_ok(), "{:?}: {}", edited, String::from_utf8_lossy(&body));
         let edited = edited.unwrap();
+        // The edit as the glue hands it to Envoy: the first bytes replaced, the length as sent.
+        let edit = edit_members(&body, &set).unwrap();
+        prop_assert_eq!(edit.len, edited.len());
+        prop_assert_eq!([edit.head.as_slice(), &body[edit.replaced..]].concat(), edited.clone());
         let again = prepare_chat(&edited, 4, true);
         prop_assert!(again.is_ok(), "{}", String::from_utf8_lossy(&edited));
         prop_assert_eq!(again.unwrap().0, facts);

@@ -66,7 +66,8 @@ pub enum Action {
     Proceed,
     RemoveRequestHeader(String),
     SetRequestHeader(String, String),
-    /// Replace the `size` buffered bytes of the request body.
+    /// Replace the first `size` buffered bytes of the request body with `body`; the bytes after
+    /// them stay as buffered.
     ReplaceRequestBody {
         size: usize,
         body: Arc<Vec<u8>>,
@@ -730,13 +731,13 @@ impl RequestLife {
         out.push(Action::ClearRouteCache);
         // The headers are still held, so a rewritten body keeps a length: dropping it would send
         // every request chunked.
-        let replace_body = |body: Arc<Vec<u8>>, out: &mut Actions| {
-            out.push(Action::SetRequestHeader("content-length".to_string(), body.len().to_string()));
-            out.push(Action::ReplaceRequestBody { size: held.body_size, body });
+        let replace_body = |size: usize, body: Arc<Vec<u8>>, len: usize, out: &mut Actions| {
+            out.push(Action::SetRequestHeader("content-length".to_string(), len.to_string()));
+            out.push(Action::ReplaceRequestBody { size, body });
         };
         let Some(pd) = decision.pd.as_mut() else {
-            if let Some(body) = decision.body.take() {
-                replace_body(Arc::new(body), out);
+            if let Some(edit) = decision.body.take() {
+                replace_body(edit.replaced, Arc::new(edit.head), edit.len, out);
             }
             return self.route(app, Exchange::new(decision), None, out);
         };
@@ -744,7 +745,7 @@ impl RequestLife {
         let client =
             held.headers.into_iter().filter_map(|(name, value)| Some((name, String::from_utf8(value).ok()?))).collect();
         let (request, upstream_body) = pd.take_requests(forwarded_headers(client, app.headers().stripped()));
-        replace_body(upstream_body, out);
+        replace_body(held.body_size, Arc::clone(&upstream_body), upstream_body.len(), out);
         out.push(Action::Dispatch(request));
         self.state = State::DispatchingPrefill(Box::new(Dispatching { exchange: Exchange::new(decision) }));
     }
@@ -1037,7 +1038,7 @@ mod tests {
             "selection time sampled"
         );
         let actions = visible(&mut out);
-        let sent = body_of(&actions).unwrap();
+        let sent = body_of(&actions, CHAT).unwrap();
         assert!(sent["rid"].as_str().is_some_and(|r| r.starts_with("sgl-")), "the filter's own id, not the header's");
         assert_eq!(sent["max_tokens"].as_u64(), Some(4));
         let [Action::SetRequestHeader(name, cluster), Action::ClearRouteCache, Action::SetRequestHeader(length, n), Action::ReplaceRequestBody { size, body }, Action::Proceed] =
@@ -1046,7 +1047,9 @@ mod tests {
             panic!("{actions:?}")
         };
         assert_eq!((name.as_str(), cluster.as_str(), length.as_str()), ("x-sgl-cluster", "sgl_A", "content-length"));
-        assert_eq!((n.clone(), *size), (body.len().to_string(), CHAT.len()));
+        let open = CHAT.iter().position(|b| *b == b'{').unwrap() + 1;
+        assert_eq!(*size, open, "only the bytes up to the object's start are replaced: the id goes first");
+        assert_eq!(n.clone(), (body.len() + CHAT.len() - open).to_string());
         assert_eq!(inflight(&app, "A"), 1);
         life.on_request_body(&app, CHAT.len(), true, &mut |_| unreachable!(), &mut out);
         assert_eq!(visible(&mut out), [Action::Proceed], "routed: the body passes");
@@ -1159,9 +1162,12 @@ mod tests {
         json!({"data": data, "handle": "42"}).to_string().into_bytes()
     }
 
-    fn body_of(actions: &[Action]) -> Option<Value> {
+    /// The body the engine gets: `sent` with its first bytes replaced as the actions say.
+    fn body_of(actions: &[Action], sent: &[u8]) -> Option<Value> {
         actions.iter().find_map(|a| match a {
-            Action::ReplaceRequestBody { body, .. } => serde_json::from_slice(body).ok(),
+            Action::ReplaceRequestBody { size, body } => {
+                serde_json::from_slice(&[body.as_slice(), &sent[*size..]].concat()).ok()
+            }
             _ => None,
         })
     }
@@ -1185,7 +1191,7 @@ mod tests {
         life.on_callout_answer(&app, 7, Some(200), &mut || body.clone(), &mut out);
         let actions = visible(&mut out);
         assert_eq!(upstream(&actions), Some("sgl_A"), "{actions:?}");
-        assert_eq!(body_of(&actions).unwrap()["routed_dp_rank"], 1);
+        assert_eq!(body_of(&actions, &tokens()).unwrap()["routed_dp_rank"], 1);
         let notice = actions.iter().find_map(|a| match a {
             Action::Notify(n) => serde_json::from_slice::<Value>(n.body.as_deref().unwrap()).ok(),
             _ => None,
@@ -1208,7 +1214,7 @@ mod tests {
         let body = answer(json!({"P": {"matched_tokens": 2048, "ranks": {"1": 2048}}}));
         life.on_callout_answer(&app, 7, Some(200), &mut || body.clone(), &mut out);
         let actions = visible(&mut out);
-        let decode_body = body_of(&actions).unwrap();
+        let decode_body = body_of(&actions, &tokens()).unwrap();
         let prefill = actions.iter().find_map(|a| match a {
             Action::Dispatch(r) => serde_json::from_slice::<Value>(r.body.as_deref().unwrap()).ok(),
             _ => None,
@@ -1479,12 +1485,8 @@ mod tests {
             .collect();
         assert_eq!(
             headers,
-            [
-                ("x-sgl-cluster", "sgl_engines"),
-                ("x-sgl-endpoint", "10.0.0.1:1,10.0.0.1:2"),
-                ("x-envoy-max-retries", "1")
-            ],
-            "A, then the next in the rotation"
+            [("x-sgl-cluster", "sgl_engines"), ("x-sgl-endpoint", "10.0.0.1:1,10.0.0.1:2")],
+            "A, then the next in the rotation; one fallback, as many as the route retries"
         );
         assert_eq!((inflight(&app, "A"), inflight(&app, "B")), (1, 0));
         let mut out = Vec::new();
@@ -1531,7 +1533,7 @@ mod tests {
         let app = plain_app();
         let body = br#"{"model": "m", "rid": "client-7", "messages": [{"role": "user", "content": "hi"}]}"#;
         let (mut life, actions) = send(&app, "/v1/chat/completions", body);
-        let rid = body_of(&actions).and_then(|b| b["rid"].as_str().map(str::to_string)).unwrap_or_default();
+        let rid = body_of(&actions, body).and_then(|b| b["rid"].as_str().map(str::to_string)).unwrap_or_default();
         assert!(rid.starts_with("sgl-"), "the filter's own id, over the client's: {rid}");
         let mut out = Vec::new();
         life.on_response_headers(&app, Some(200), false, &mut || None, &mut out);

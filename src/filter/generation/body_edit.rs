@@ -33,10 +33,68 @@ impl Member {
     }
 }
 
+/// An edit of a buffered body: its first `replaced` bytes give way to `head`, and the rest travels
+/// as sent. A member inserted where there was none changes only the bytes up to the object's `{`,
+/// so the host keeps the rest of its buffer and nothing else crosses into or out of the VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyEdit {
+    pub replaced: usize,
+    pub head: Vec<u8>,
+    /// The edited body's length.
+    pub len: usize,
+}
+
+impl BodyEdit {
+    /// The edited body, whole.
+    pub fn apply(&self, body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len);
+        out.extend_from_slice(&self.head);
+        out.extend_from_slice(body.get(self.replaced..).unwrap_or_default());
+        out
+    }
+}
+
 /// `body` with every member of `set` written: over each top-level member of its name, else first.
 pub fn with_members(body: &[u8], set: &[Member]) -> Result<Vec<u8>, EditError> {
+    edit_members(body, set).map(|edit| edit.apply(body))
+}
+
+/// [`edit_members`] of a body validation read as one JSON object. Where no top-level member can
+/// carry one of `set`'s names (no name appears in the body as written, and no `\u` escape could
+/// spell one), the members go first with no second pass over the body; otherwise the full edit.
+pub fn edit_validated(body: &[u8], set: &[Member]) -> Result<BodyEdit, EditError> {
+    let unnamed = memchr::memmem::find(body, b"\\u").is_none()
+        && set.iter().all(|m| memchr::memmem::find(body, m.name.as_bytes()).is_none());
+    let open = body.iter().position(|b| !b.is_ascii_whitespace());
+    match open {
+        Some(open) if unnamed && !set.is_empty() && body.get(open) == Some(&b'{') => {
+            let empty = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+            let mut head =
+                Vec::with_capacity(open + 1 + set.iter().map(|m| m.name.len() + m.value.len() + 4).sum::<usize>());
+            head.extend_from_slice(&body[..=open]);
+            for (i, member) in set.iter().enumerate() {
+                if i > 0 {
+                    head.push(b',');
+                }
+                head.push(b'"');
+                head.extend_from_slice(member.name.as_bytes());
+                head.extend_from_slice(b"\":");
+                head.extend_from_slice(&member.value);
+            }
+            if !empty {
+                head.push(b',');
+            }
+            let len = head.len() + body.len() - (open + 1);
+            Ok(BodyEdit { replaced: open + 1, head, len })
+        }
+        _ => edit_members(body, set),
+    }
+}
+
+/// [`with_members`] as an edit of `body`'s first bytes: up to the end of the last member written.
+pub fn edit_members(body: &[u8], set: &[Member]) -> Result<BodyEdit, EditError> {
     if set.is_empty() {
-        return Ok(body.to_vec());
+        return Ok(BodyEdit { replaced: 0, head: Vec::new(), len: body.len() });
     }
     let names: Vec<&str> = set.iter().map(|m| m.name).collect();
     let mut de = serde_json::Deserializer::from_slice(body);
@@ -69,16 +127,17 @@ pub fn with_members(body: &[u8], set: &[Member]) -> Result<Vec<u8>, EditError> {
         cuts.push((found.open + 1, found.open + 1, &inserted));
     }
     cuts.sort_by_key(|&(start, _, _)| start);
+    let replaced = cuts.iter().map(|&(_, end, _)| end).max().unwrap_or(0);
     let grown: usize = cuts.iter().map(|(_, _, v)| v.len()).sum();
-    let mut out = Vec::with_capacity(body.len() + grown);
+    let mut head = Vec::with_capacity(replaced + grown);
     let mut at = 0;
     for (start, end, value) in cuts {
-        out.extend_from_slice(&body[at..start]);
-        out.extend_from_slice(value);
+        head.extend_from_slice(&body[at..start]);
+        head.extend_from_slice(value);
         at = end;
     }
-    out.extend_from_slice(&body[at..]);
-    Ok(out)
+    let len = head.len() + body.len() - at;
+    Ok(BodyEdit { replaced: at, head, len })
 }
 
 /// What one pass over the top level found: where the object opens, how many members it has, and
@@ -176,6 +235,44 @@ mod tests {
             String::from_utf8(out).unwrap(),
             r#"{"routed_dp_rank":2,"rid": "ours", "model": "m", "r\u0069d": "ours", "rid": "ours"}"#
         );
+    }
+
+    /// An inserted member replaces the bytes up to the `{` only; a member written over replaces
+    /// them up to the end of its last copy.
+    #[test]
+    fn an_edit_replaces_only_the_bytes_before_the_last_member_written() {
+        let body = br#" {"model": "m", "messages": [], "x": "a long tail"}"#;
+        let edit = edit_members(body, &[rid("r1")]).unwrap();
+        assert_eq!((edit.replaced, edit.head.as_slice()), (2, &br#" {"rid":"r1","#[..]));
+        assert_eq!(edit.len, edit.apply(body).len());
+        let body = br#"{"model": "m", "rid": 7, "messages": []}"#;
+        let edit = edit_members(body, &[rid("r1")]).unwrap();
+        assert_eq!(edit.head, br#"{"model": "m", "rid": "r1""#.to_vec());
+        assert_eq!(edit.apply(body), br#"{"model": "m", "rid": "r1", "messages": []}"#.to_vec());
+        assert_eq!(edit.len, edit.apply(body).len());
+    }
+
+    /// A validated body in which no name of the set appears takes the members first without a
+    /// second pass: the same bytes as the full edit, whatever the spacing.
+    #[test]
+    fn a_validated_body_without_the_names_is_edited_as_the_full_edit_would() {
+        let set = [rid("r1"), Member::new("routed_dp_rank", &json!(1))];
+        for body in [
+            &br#"{"model": "m", "messages": [{"role": "user", "content": "routing"}]}"#[..],
+            b" \n{ }",
+            b"{}",
+            br#"{"model":"m","meta":{"x":[1e400]}}"#,
+            // The names appear, or could be spelled with escapes: the full edit.
+            br#"{"model": "m", "rid": 1, "messages": []}"#,
+            br#"{"model": "m", "r\u0069d": 1}"#,
+            br#"{"model": "m", "messages": [{"content": "a grid"}]}"#,
+        ] {
+            let (fast, full) = (edit_validated(body, &set).unwrap(), edit_members(body, &set).unwrap());
+            assert_eq!(fast.apply(body), full.apply(body), "{}", String::from_utf8_lossy(body));
+            assert_eq!(fast.len, full.len);
+        }
+        let edit = edit_validated(br#"{"model": "m"}"#, &set).unwrap();
+        assert_eq!((edit.replaced, edit.head.as_slice()), (1, &br#"{"rid":"r1","routed_dp_rank":1,"#[..]));
     }
 
     #[test]

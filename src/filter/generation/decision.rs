@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::body_edit::{with_members, Member};
+use super::body_edit::{edit_validated, BodyEdit, Member};
 use super::bucket_loop::{select, SelectionFailure};
 use super::dp_rank::{choose_rank, rank_member};
 use super::pd::{bootstrap_members, PdDispatch};
@@ -74,8 +74,9 @@ pub struct Decision {
     pub fallbacks: Vec<Arc<Engine>>,
     /// PD only: the rewritten body and the prefill callout.
     pub pd: Option<PdDispatch>,
-    /// Plain only: the body for the engine (its id written, its data-parallel rank named).
-    pub body: Option<Vec<u8>>,
+    /// Plain only: the edit that makes the client's body the engine's (its id written, its
+    /// data-parallel rank named).
+    pub body: Option<BodyEdit>,
     /// The request's id at its engines, which an abort names.
     pub rid: Arc<str>,
     /// For cache-aware models: the prompt recorded under the chosen plain or prefill engine, sent
@@ -276,7 +277,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
     let edited = |extra: Vec<Member>| {
         let mut members = vec![ticket.rid.member()];
         members.extend(extra);
-        with_members(&raw, &members).map_err(|e| RouteError::invalid(e.to_string()))
+        edit_validated(&raw, &members).map_err(|e| RouteError::invalid(e.to_string()))
     };
     let built = match &selection.pick {
         BucketPick::Plain(p) => {
@@ -293,7 +294,7 @@ pub fn decide(mut ticket: Ticket, wiring: &Wiring<'_>) -> Outcome {
             let encode = |rank: Option<u32>| {
                 let mut members = fields.clone();
                 members.extend(rank.map(rank_member));
-                edited(members)
+                edited(members).map(|edit| edit.apply(&raw))
             };
             let bodies = encode(decode_rank).and_then(|body| {
                 let prefill_body = if prefill_rank != decode_rank { Some(encode(prefill_rank)?) } else { None };
