@@ -25,7 +25,7 @@ fn workers(n: usize) -> Vec<Arc<Engine>> {
                 id: format!("w{i:04}"),
                 model: "m".into(),
                 role: Role::Plain,
-                address: EngineAddress { host: "127.0.0.1".into(), port: 1 },
+                address: EngineAddress::new("127.0.0.1", 1),
                 cluster: format!("sgl_w{i:04}"),
                 override_host: None,
                 bootstrap_port: None,

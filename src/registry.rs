@@ -3,6 +3,7 @@
 //! imports none of them.
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -10,8 +11,10 @@ use serde::{Deserialize, Serialize};
 /// Where an engine listens, from its configured `url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineAddress {
-    pub host: String,
-    pub port: u16,
+    host: String,
+    port: u16,
+    /// `ip:port` when the host is an IP literal, written once: every request names it.
+    socket: Option<Arc<str>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -49,13 +52,26 @@ impl EngineAddress {
         if port == 0 {
             return Err(AddressError::Port(url.to_string()));
         }
-        Ok(Self { host, port })
+        Ok(Self::new(host, port))
+    }
+
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        let host = host.into();
+        let socket = host.parse::<std::net::IpAddr>().ok().map(|ip| Arc::from(SocketAddr::new(ip, port).to_string()));
+        Self { host, port, socket }
     }
 
     /// `ip:port` as Envoy names a host of a STATIC cluster, when the host is an IP literal.
-    pub fn socket(&self) -> Option<String> {
-        let ip = self.host.parse::<std::net::IpAddr>().ok()?;
-        Some(std::net::SocketAddr::new(ip, self.port).to_string())
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn socket(&self) -> Option<&str> {
+        self.socket.as_deref()
     }
 
     /// `host:port`, bracketing IPv6 literals, as ORIGINAL_DST expects.
@@ -314,7 +330,7 @@ mod tests {
             id: id.into(),
             model: "m".into(),
             role,
-            address: EngineAddress { host: "h".into(), port: 1 },
+            address: EngineAddress::new("h", 1),
             cluster: format!("sgl_{id}"),
             override_host: None,
             bootstrap_port: None,

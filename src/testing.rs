@@ -17,7 +17,7 @@ pub fn worker_with(id: &str, role: Role, model: &str) -> Arc<Engine> {
         id: id.to_string(),
         model: model.to_string(),
         role,
-        address: EngineAddress { host: "127.0.0.1".to_string(), port: 1 },
+        address: EngineAddress::new("127.0.0.1", 1),
         cluster: format!("sgl_{id}"),
         override_host: None,
         bootstrap_port: (role == Role::Prefill).then_some(8998),

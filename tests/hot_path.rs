@@ -55,7 +55,10 @@ fn glue_calls(actions: &mut Vec<Action>, into: &mut BTreeMap<&'static str, u64>)
         let (name, n) = match &action {
             Action::Proceed | Action::Park => continue,
             Action::RemoveRequestHeader(_) | Action::SetRequestHeader(..) => ("glue request header", 1),
-            Action::ReplaceRequestBody { .. } => ("glue body replaced", 1),
+            Action::ReplaceRequestBody { body, .. } => {
+                *into.entry("glue body bytes handed over").or_default() += body.len() as u64;
+                ("glue body replaced", 1)
+            }
             Action::ClearRouteCache => ("glue route cache cleared", 1),
             Action::Dispatch(_) | Action::Notify(_) | Action::Detach(..) => ("glue callout", 1),
             Action::Reply { .. } => ("glue reply", 1),
@@ -144,9 +147,11 @@ struct Scenario {
 /// round_robin with default settings, per 100 requests: what every other scenario is written
 /// against.
 const BASE: &[(&str, u64)] = &[
-    ("allocations", 8239),
+    ("allocations", 5439),
+    // The id goes first: only the bytes up to the body's `{` are replaced, not the 4 KiB.
+    ("glue body bytes handed over", 4600),
     ("glue body replaced", 100),
-    ("glue request header", 400),
+    ("glue request header", 300),
     ("glue response header", 200),
     ("glue route cache cleared", 100),
     ("glue sample recorded", 100),
@@ -164,7 +169,7 @@ const BASE: &[(&str, u64)] = &[
 /// cache_aware against [`BASE`]: a prefix event queued and the replica's head read per request, no
 /// cursor; repeated and distinct prompts cost the same.
 const CACHE_AWARE: &[(&str, u64)] = &[
-    ("allocations", 11340),
+    ("allocations", 8540),
     ("enqueue", 100),
     ("now_ms", 3700),
     ("shared_get sgl.prefix", 100),
@@ -182,14 +187,14 @@ fn scenarios() -> Vec<Scenario> {
             policy: rr(),
             extra: json!({"retry": {"attempts": 0}}),
             distinct: true,
-            budget: &[("allocations", 5339), ("glue request header", 200), ("now_ms", 2500)],
+            budget: &[("allocations", 4739), ("glue request header", 200), ("now_ms", 2500)],
         },
         Scenario {
             name: "round_robin, max_inflight_requests 64",
             policy: json!({"type": "round_robin", "admission": {"max_inflight_requests": 64}}),
             extra: json!({}),
             distinct: true,
-            budget: &[("allocations", 9639), ("shared_get sgl.seats", 200), ("shared_set sgl.seats", 200)],
+            budget: &[("allocations", 6839), ("shared_get sgl.seats", 200), ("shared_set sgl.seats", 200)],
         },
         Scenario {
             name: "round_robin, with a queue",
@@ -197,7 +202,7 @@ fn scenarios() -> Vec<Scenario> {
             extra: json!({"queue": {}}),
             distinct: true,
             budget: &[
-                ("allocations", 9005),
+                ("allocations", 6205),
                 ("now_ms", 2800),
                 ("shared_get sgl.inflight", 100),
                 ("shared_get sgl.queue", 100),
@@ -210,7 +215,7 @@ fn scenarios() -> Vec<Scenario> {
             policy: json!({"type": "power_of_two"}),
             extra: json!({}),
             distinct: true,
-            budget: &[("allocations", 7939), ("now_ms", 3400), ("shared_get sgl.rr", 0), ("shared_set sgl.rr", 0)],
+            budget: &[("allocations", 5139), ("now_ms", 3400), ("shared_get sgl.rr", 0), ("shared_set sgl.rr", 0)],
         },
         Scenario {
             name: "cache_aware, repeated prompt",

@@ -139,7 +139,7 @@ mod tests {
             id: id.to_string(),
             model: "m".to_string(),
             role: Role::Plain,
-            address: EngineAddress { host: "127.0.0.1".to_string(), port: 1 },
+            address: EngineAddress::new("127.0.0.1", 1),
             cluster: format!("sgl_{id}"),
             override_host: None,
             bootstrap_port: None,

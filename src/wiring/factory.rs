@@ -100,7 +100,7 @@ pub fn workers(config: &RouterConfig) -> Vec<Engine> {
         .iter()
         .filter_map(|w| {
             let address = EngineAddress::parse(&w.url).ok()?;
-            let override_host = shared.and_then(|_| Some((Arc::clone(&header), address.socket()?)));
+            let override_host = shared.and_then(|_| Some((Arc::clone(&header), address.socket()?.to_string())));
             Some(Engine {
                 id: w.id.clone(),
                 model: w.model.clone(),

@@ -50,7 +50,9 @@ impl UpstreamHeader {
         let value = match self.mode {
             UpstreamMode::ClusterHeader => worker.cluster.clone(),
             UpstreamMode::OriginalDst => worker.address.host_port(),
-            UpstreamMode::OverrideHost => worker.address.socket().unwrap_or_else(|| worker.address.host_port()),
+            UpstreamMode::OverrideHost => {
+                worker.address.socket().map_or_else(|| worker.address.host_port(), str::to_string)
+            }
         };
         (self.name.clone(), value)
     }
@@ -64,22 +66,30 @@ impl UpstreamHeader {
         let Some(primary) = worker.address.socket().filter(|_| self.retriable(worker)) else {
             return vec![self.for_worker(worker), (MAX_RETRIES_HEADER.to_string(), "0".to_string())];
         };
-        let mut endpoints = primary;
+        let sockets = || fallbacks.iter().filter_map(|f| f.address.socket());
+        let mut endpoints = String::with_capacity(primary.len() + sockets().map(|s| s.len() + 1).sum::<usize>());
+        endpoints.push_str(primary);
         let mut named = 0;
-        for socket in fallbacks.iter().filter_map(|f| f.address.socket()) {
+        for socket in sockets() {
             endpoints.push(',');
-            endpoints.push_str(&socket);
+            endpoints.push_str(socket);
             named += 1;
         }
         let retries = (MAX_RETRIES_HEADER.to_string(), named.to_string());
         match self.mode {
             // The route's cluster is the engines' already; the policy reads the list from the header.
+            // The route is the mesh's, with the mesh's retry count: the header always says ours.
             UpstreamMode::OverrideHost => vec![(self.name.clone(), endpoints), retries],
-            _ => vec![
-                (self.name.clone(), ENGINES_CLUSTER.to_string()),
-                (ENDPOINT_HEADER.to_string(), endpoints),
-                retries,
-            ],
+            _ => {
+                let mut headers =
+                    vec![(self.name.clone(), ENGINES_CLUSTER.to_string()), (ENDPOINT_HEADER.to_string(), endpoints)];
+                // `render` writes the route's retry count as `retry.attempts`: the header is needed
+                // only where fewer fallbacks were named.
+                if named != self.retries {
+                    headers.push(retries);
+                }
+                headers
+            }
         }
     }
 }
@@ -144,14 +154,23 @@ mod tests {
     fn with_retries_the_engines_cluster_gets_the_engine_then_its_fallbacks() {
         let a = crate::testing::worker("A");
         let mut b = (*crate::testing::worker("B")).clone();
-        b.address.port = 2;
+        b.address = crate::registry::EngineAddress::new("127.0.0.1", 2);
         let retrying = UpstreamHeader::new(&UpstreamConfig::default(), 2);
         let headers = retrying.for_request(&a, &[std::sync::Arc::new(b)]);
         let expected =
             [("x-sgl-cluster", "sgl_engines"), (ENDPOINT_HEADER, "127.0.0.1:1,127.0.0.1:2"), (MAX_RETRIES_HEADER, "1")];
         assert_eq!(headers, expected.map(|(k, v)| (k.to_string(), v.to_string())), "one fallback named: one retry");
+        let as_routed = UpstreamHeader::new(&UpstreamConfig::default(), 1);
+        let mut b = (*crate::testing::worker("B")).clone();
+        b.address = crate::registry::EngineAddress::new("127.0.0.1", 2);
+        assert_eq!(
+            as_routed.for_request(&a, &[std::sync::Arc::new(b)]),
+            [("x-sgl-cluster", "sgl_engines"), (ENDPOINT_HEADER, "127.0.0.1:1,127.0.0.1:2")]
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+            "as many fallbacks as the route retries: the route's count stands"
+        );
         let mut named = (*crate::testing::worker("N")).clone();
-        named.address.host = "engine-n.internal".into();
+        named.address = crate::registry::EngineAddress::new("engine-n.internal", 1);
         assert_eq!(
             retrying.for_request(&named, &[]),
             [("x-sgl-cluster".to_string(), "sgl_N".to_string()), (MAX_RETRIES_HEADER.to_string(), "0".to_string())],
@@ -176,7 +195,7 @@ mod tests {
     fn override_host_names_the_engine_then_its_fallbacks_in_one_header() {
         let a = crate::testing::worker("A");
         let mut b = (*crate::testing::worker("B")).clone();
-        b.address.port = 2;
+        b.address = crate::registry::EngineAddress::new("127.0.0.1", 2);
         let config = UpstreamConfig { mode: UpstreamMode::OverrideHost, ..UpstreamConfig::default() };
         let retrying = UpstreamHeader::new(&config, 1);
         let expected = [("x-gateway-destination-endpoint", "127.0.0.1:1,127.0.0.1:2"), (MAX_RETRIES_HEADER, "1")];

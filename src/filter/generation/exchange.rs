@@ -124,8 +124,7 @@ impl Exchange {
     /// fallbacks (`answered_by` is the upstream host's `ip:port`): it becomes the upstream engine,
     /// and each engine tried before it refused the request, which its breaker hears.
     pub fn retried(&mut self, answered_by: &str) -> Option<(Arc<Engine>, Effects)> {
-        let position =
-            self.decision.fallbacks.iter().position(|f| f.address.socket().as_deref() == Some(answered_by))?;
+        let position = self.decision.fallbacks.iter().position(|f| f.address.socket() == Some(answered_by))?;
         let fallback = Arc::clone(&self.decision.fallbacks[position]);
         let mut effects = Effects::default();
         let refused: Vec<Arc<Engine>> = std::iter::once(Arc::clone(self.decision.target.upstream()))
@@ -289,8 +288,7 @@ mod tests {
 
     #[test]
     fn a_prefix_moves_with_the_request_envoy_retried_elsewhere() {
-        let b =
-            Arc::new(Engine { address: EngineAddress { host: "127.0.0.1".into(), port: 2 }, ..(*worker("B")).clone() });
+        let b = Arc::new(Engine { address: EngineAddress::new("127.0.0.1", 2), ..(*worker("B")).clone() });
         let mut x = plain_with(vec![b]);
         x.dispatched("A");
         let (engine, effects) = x.retried("127.0.0.1:2").unwrap();

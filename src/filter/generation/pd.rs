@@ -193,7 +193,7 @@ pub fn new_room(random: &dyn RandomSource) -> u64 {
 /// The bootstrap fields naming `prefill` (each a list, one per choice, when `n` > 1), and the
 /// rooms drawn for them.
 pub fn bootstrap_members(prefill: &Engine, n: u64, random: &dyn RandomSource) -> (Vec<Member>, Vec<u64>) {
-    let host = prefill.address.host.clone();
+    let host = prefill.address.host().to_string();
     let port = prefill.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
     let choices = n.max(1);
     let rooms: Vec<u64> = (0..choices).map(|_| new_room(random)).collect();

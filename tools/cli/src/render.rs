@@ -289,7 +289,7 @@ fn circuit_breakers() -> Value {
 
 /// One host: STATIC for an IP, STRICT_DNS for a name.
 fn static_cluster(name: &str, address: &EngineAddress) -> Value {
-    let is_ip = address.host.parse::<std::net::IpAddr>().is_ok();
+    let is_ip = address.host().parse::<std::net::IpAddr>().is_ok();
     json!({
         "name": name,
         "type": if is_ip { "STATIC" } else { "STRICT_DNS" },
@@ -298,7 +298,7 @@ fn static_cluster(name: &str, address: &EngineAddress) -> Value {
         "circuit_breakers": circuit_breakers(),
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket(&address.host, address.port)}}]}],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket(address.host(), address.port())}}]}],
         },
     })
 }
@@ -324,8 +324,12 @@ fn engines_cluster(config: &RouterConfig) -> Value {
         None => (ENGINES_CLUSTER, ENDPOINT_HEADER),
     };
     let shared = config.upstream.shared_cluster().is_some();
-    let mut sockets: Vec<String> =
-        registry.all().iter().filter(|w| shared || w.in_engines_cluster()).filter_map(|w| w.address.socket()).collect();
+    let mut sockets: Vec<String> = registry
+        .all()
+        .iter()
+        .filter(|w| shared || w.in_engines_cluster())
+        .filter_map(|w| w.address.socket().map(str::to_string))
+        .collect();
     sockets.sort();
     sockets.dedup();
     let endpoints: Vec<Value> = sockets

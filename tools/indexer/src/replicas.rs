@@ -78,14 +78,14 @@ pub struct Replicas {
 /// port when it listens on every address.
 fn position(urls: &[String], listen: std::net::SocketAddr) -> Option<usize> {
     let parsed: Vec<Option<EngineAddress>> = urls.iter().map(|u| EngineAddress::parse(u).ok()).collect();
-    let exact = parsed
-        .iter()
-        .position(|a| a.as_ref().is_some_and(|a| a.port == listen.port() && a.host.parse().ok() == Some(listen.ip())));
+    let exact = parsed.iter().position(|a| {
+        a.as_ref().is_some_and(|a| a.port() == listen.port() && a.host().parse().ok() == Some(listen.ip()))
+    });
     exact.or_else(|| {
         let by_port: Vec<usize> = parsed
             .iter()
             .enumerate()
-            .filter(|(_, a)| a.as_ref().is_some_and(|a| a.port == listen.port()))
+            .filter(|(_, a)| a.as_ref().is_some_and(|a| a.port() == listen.port()))
             .map(|(i, _)| i)
             .collect();
         (listen.ip().is_unspecified() && by_port.len() == 1).then(|| by_port[0])
