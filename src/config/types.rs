@@ -519,18 +519,23 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Every `cache_aware` policy of this model, in every bucket and role.
-    pub fn cache_aware_policies(&self) -> impl Iterator<Item = &CacheAwareConfig> {
+    /// Every group's policy of this model, in every bucket and role.
+    pub fn policies(&self) -> impl Iterator<Item = &PolicyConfig> {
         self.buckets
             .iter()
             .flat_map(|b| match &b.groups {
                 GroupsConfig::Plain(g) => vec![g],
                 GroupsConfig::Pd(pd) => vec![&pd.prefill, &pd.decode],
             })
-            .filter_map(|g| match &g.policy {
-                PolicyConfig::CacheAware(c) => Some(c.as_ref()),
-                _ => None,
-            })
+            .map(|g| &g.policy)
+    }
+
+    /// Every `cache_aware` policy of this model, in every bucket and role.
+    pub fn cache_aware_policies(&self) -> impl Iterator<Item = &CacheAwareConfig> {
+        self.policies().filter_map(|p| match p {
+            PolicyConfig::CacheAware(c) => Some(c.as_ref()),
+            _ => None,
+        })
     }
 }
 
@@ -594,6 +599,19 @@ pub enum PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Whether the policy (or the fallback inside it) weighs an engine's pending prefill and
+    /// learned speed: where none does, a dispatch keeps no timing and estimates nothing.
+    pub fn reads_engine_model(&self) -> bool {
+        match self {
+            PolicyConfig::RoundRobin(_) | PolicyConfig::Random(_) => false,
+            PolicyConfig::Sticky(s) => matches!(s.fallback, StickyFallback::PowerOfTwo | StickyFallback::LoadBased),
+            PolicyConfig::PowerOfTwo(_)
+            | PolicyConfig::LoadBased(_)
+            | PolicyConfig::SessionAware(_)
+            | PolicyConfig::CacheAware(_) => true,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             PolicyConfig::RoundRobin(_) => "round_robin",

@@ -13,7 +13,7 @@ use super::indexer::IndexerClient;
 use super::queue::{Capacity, EngineRoom, WaitingRoom};
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
-use crate::config::RouterConfig;
+use crate::config::{PolicyConfig, RouterConfig};
 use crate::policies::pressure::{pending_prefill, prefill_rate, slot_wait_ms};
 use crate::registry::{Availability, EngineRegistry, EngineSet};
 use crate::state::availability::SharedAvailability;
@@ -42,6 +42,9 @@ pub struct AppContext {
     generate_model: Option<String>,
     /// This VM's parked requests: waiting for room (spec §9), or held for their prefix.
     waiting: Arc<WaitingRoom>,
+    /// Whether anything reads the engine model (pending prefill, learned speed): a policy that
+    /// weighs it, or a queue. Where nothing does, a dispatch is counted and nothing more.
+    engine_model: bool,
 }
 
 impl AppContext {
@@ -69,7 +72,12 @@ impl AppContext {
         let upstream = UpstreamHeader::new(&config.upstream, config.retry_attempts());
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);
+        let engine_model = config
+            .models
+            .values()
+            .any(|m| m.queue.is_some() || config.queue.is_some() || m.policies().any(PolicyConfig::reads_engine_model));
         Self {
+            engine_model,
             waiting: Arc::new(WaitingRoom::new(Arc::clone(&handles.host), handles.vm)),
             generate_model,
             indexer,
@@ -130,6 +138,10 @@ impl AppContext {
             b.on_dispatch(worker);
         }
         let prior = self.config.load.prefill_tokens_per_s / 1000.0;
+        if !self.engine_model {
+            let work = PrefillWork { tokens: prefill_tokens, tokens_per_ms: prior, ahead: 0, slot_wait_ms: 0 };
+            return InflightGuard::acquire(Arc::clone(&self.handles.inflight), worker, work, prior, false);
+        }
         let snapshot = self.handles.load.snapshot();
         let (load, local) = (snapshot.get(worker), self.handles.inflight.local_load(worker));
         // The rate the engine's prefill lane drains at: an engine sent work and not yet timed
@@ -216,6 +228,9 @@ impl AppContext {
     /// prompt's siblings elsewhere to be prefilled again. Told on every such dispatch, a stream of
     /// distinct prompts woke the service once per request.
     pub fn tell_news(&self) {
+        if !self.engine_model {
+            return;
+        }
         self.handles.inflight.publish_news();
         self.handles.outbox.send_news();
     }
