@@ -149,7 +149,7 @@ struct Scenario {
 /// round_robin with default settings, per 100 requests: what every other scenario is written
 /// against.
 const BASE: &[(&str, u64)] = &[
-    ("allocations", 5207),
+    ("allocations", 4907),
     // The id goes first: only the bytes up to the body's `{` are replaced, not the 4 KiB.
     ("glue body bytes handed over", 4600),
     ("glue body replaced", 100),
@@ -175,7 +175,7 @@ const ENGINE_MODEL: &[(&str, u64)] = &[("shared_get sgl.load", 2), ("shared_set 
 /// cache_aware against [`BASE`]: a prefix event queued and the replica's head read per request, no
 /// cursor; repeated and distinct prompts cost the same.
 const CACHE_AWARE: &[(&str, u64)] = &[
-    ("allocations", 8540),
+    ("allocations", 8240),
     ("enqueue", 100),
     ("now_ms", 3700),
     ("shared_get sgl.prefix", 100),
@@ -201,7 +201,7 @@ fn scenarios() -> Vec<Scenario> {
             extra: json!({"retry": {"attempts": 0}}),
             distinct: true,
             engine_model: false,
-            budget: &[("allocations", 4507), ("glue request header", 200), ("now_ms", 1900)],
+            budget: &[("allocations", 4207), ("glue request header", 200), ("now_ms", 1900)],
         },
         Scenario {
             name: "round_robin, max_inflight_requests 64",
@@ -209,7 +209,7 @@ fn scenarios() -> Vec<Scenario> {
             extra: json!({}),
             distinct: true,
             engine_model: false,
-            budget: &[("allocations", 6607), ("shared_get sgl.seats", 200), ("shared_set sgl.seats", 200)],
+            budget: &[("allocations", 6307), ("shared_get sgl.seats", 200), ("shared_set sgl.seats", 200)],
         },
         Scenario {
             name: "round_robin, with a queue",
@@ -218,7 +218,7 @@ fn scenarios() -> Vec<Scenario> {
             distinct: true,
             engine_model: true,
             budget: &[
-                ("allocations", 6205),
+                ("allocations", 5905),
                 ("now_ms", 2800),
                 ("shared_get sgl.inflight", 100),
                 ("shared_get sgl.queue", 100),
@@ -232,7 +232,7 @@ fn scenarios() -> Vec<Scenario> {
             extra: json!({}),
             distinct: true,
             engine_model: true,
-            budget: &[("allocations", 5139), ("now_ms", 3400), ("shared_get sgl.rr", 0), ("shared_set sgl.rr", 0)],
+            budget: &[("allocations", 4839), ("now_ms", 3400), ("shared_get sgl.rr", 0), ("shared_set sgl.rr", 0)],
         },
         Scenario {
             name: "cache_aware, repeated prompt",

@@ -20,7 +20,15 @@ pub struct RequestId(pub Arc<str>);
 
 impl RequestId {
     pub fn draw(random: &dyn RandomSource) -> Self {
-        Self(Arc::from(format!("sgl-{:016x}{:016x}", random.next_u64(), random.next_u64()).as_str()))
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut id = [0u8; 36];
+        id[..4].copy_from_slice(b"sgl-");
+        for (half, bits) in [random.next_u64(), random.next_u64()].into_iter().enumerate() {
+            for (i, byte) in id[4 + 16 * half..][..16].iter_mut().enumerate() {
+                *byte = HEX[(bits >> (60 - 4 * i) & 0xf) as usize];
+            }
+        }
+        Self(Arc::from(std::str::from_utf8(&id).unwrap_or("sgl-")))
     }
 
     /// The body member that carries it.
@@ -41,6 +49,9 @@ mod tests {
         let (a, b) = (RequestId::draw(&random), RequestId::draw(&random));
         assert_ne!(a, b);
         assert!(a.0.starts_with("sgl-") && a.0.len() == 4 + 32, "{}", a.0);
+        let again = SeededRandom::new(1);
+        let (x, y) = (again.next_u64(), again.next_u64());
+        assert_eq!(&*a.0, format!("sgl-{x:016x}{y:016x}"), "128 bits in hex, most significant first");
         assert_eq!(a.member().value, format!("\"{}\"", a.0).into_bytes());
     }
 }
