@@ -69,21 +69,10 @@ pub fn edit_validated(body: &[u8], set: &[Member]) -> Result<BodyEdit, EditError
     match open {
         Some(open) if unnamed && !set.is_empty() && body.get(open) == Some(&b'{') => {
             let empty = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
-            let mut head =
-                Vec::with_capacity(open + 1 + set.iter().map(|m| m.name.len() + m.value.len() + 4).sum::<usize>());
+            let grown: usize = set.iter().map(|m| m.name.len() + m.value.len() + 4).sum();
+            let mut head = Vec::with_capacity(open + 1 + grown);
             head.extend_from_slice(&body[..=open]);
-            for (i, member) in set.iter().enumerate() {
-                if i > 0 {
-                    head.push(b',');
-                }
-                head.push(b'"');
-                head.extend_from_slice(member.name.as_bytes());
-                head.extend_from_slice(b"\":");
-                head.extend_from_slice(&member.value);
-            }
-            if !empty {
-                head.push(b',');
-            }
+            write_first(set.iter(), !empty, &mut head);
             let len = head.len() + body.len() - (open + 1);
             Ok(BodyEdit { replaced: open + 1, head, len })
         }
@@ -101,29 +90,17 @@ pub fn edit_members(body: &[u8], set: &[Member]) -> Result<BodyEdit, EditError> 
     let found = de.deserialize_map(Spans { body, names: &names }).map_err(|e| EditError(e.to_string()))?;
     de.end().map_err(|e| EditError(e.to_string()))?;
     let mut cuts: Vec<(usize, usize, &[u8])> = Vec::with_capacity(found.spans.len() + 1);
-    let mut inserted = Vec::new();
+    let mut missing = Vec::new();
     for (i, member) in set.iter().enumerate() {
-        let mut any = false;
-        for &(which, start, end) in &found.spans {
-            if which == i {
-                cuts.push((start, end, &member.value));
-                any = true;
-            }
-        }
-        if !any {
-            if !inserted.is_empty() {
-                inserted.push(b',');
-            }
-            inserted.push(b'"');
-            inserted.extend_from_slice(member.name.as_bytes());
-            inserted.extend_from_slice(b"\":");
-            inserted.extend_from_slice(&member.value);
+        let before = cuts.len();
+        cuts.extend(found.spans.iter().filter(|s| s.0 == i).map(|&(_, start, end)| (start, end, &member.value[..])));
+        if cuts.len() == before {
+            missing.push(member);
         }
     }
-    if !inserted.is_empty() {
-        if found.members > 0 {
-            inserted.push(b',');
-        }
+    let mut inserted = Vec::new();
+    if !missing.is_empty() {
+        write_first(missing.into_iter(), found.members > 0, &mut inserted);
         cuts.push((found.open + 1, found.open + 1, &inserted));
     }
     cuts.sort_by_key(|&(start, _, _)| start);
@@ -138,6 +115,23 @@ pub fn edit_members(body: &[u8], set: &[Member]) -> Result<BodyEdit, EditError> 
     }
     let len = head.len() + body.len() - at;
     Ok(BodyEdit { replaced: at, head, len })
+}
+
+/// `members` as they go first in an object, after its `{`: `"name":value`, comma-separated, and a
+/// comma after them when the object has members of its own (`more`).
+fn write_first<'m>(members: impl Iterator<Item = &'m Member>, more: bool, out: &mut Vec<u8>) {
+    for (i, member) in members.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.push(b'"');
+        out.extend_from_slice(member.name.as_bytes());
+        out.extend_from_slice(b"\":");
+        out.extend_from_slice(&member.value);
+    }
+    if more {
+        out.push(b',');
+    }
 }
 
 /// What one pass over the top level found: where the object opens, how many members it has, and
