@@ -12,20 +12,15 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 
 use sgl_envoy_router::config::parse_and_validate;
 use sgl_envoy_router::filter::life::{Action, RequestLife};
-use sgl_envoy_router::filter::AppContext;
-use sgl_envoy_router::host::{Host, MemoryHost};
-use sgl_envoy_router::service::ServiceCore;
-use sgl_envoy_router::wiring::factory::filter_handles;
 
 #[path = "../tests/support/counting.rs"]
 mod counting;
 
-use counting::{Counting, CountingHost, ALLOCATED_BYTES, ALLOCATIONS};
+use counting::{Counting, ALLOCATED_BYTES, ALLOCATIONS};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -73,11 +68,7 @@ const PHASES: [&str; 4] = ["request headers", "body (prepare, select, dispatch)"
 
 fn run(engines: usize, policy: &str, requests: u32) {
     let config = parse_and_validate(&router_config(engines, policy)).unwrap_or_else(|e| panic!("{e}"));
-    let host = Arc::new(CountingHost::new(MemoryHost::new(7)));
-    let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
-    counting::publish(&mut service, &host);
-    let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1);
-    let app = AppContext::new(config, handles);
+    let (host, app) = counting::counted_app(config);
     // 4 KiB of conversation, as the overhead bench sends; the prompt varies per request.
     let filler = "routing ".repeat(500);
     let bodies: Vec<Vec<u8>> = (0..64)

@@ -18,16 +18,11 @@ mod counting;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
-use counting::{Counting, CountingHost, ALLOCATIONS};
+use counting::{Counting, ALLOCATIONS};
 use serde_json::{json, Value};
 use sgl_envoy_router::config::parse_and_validate;
 use sgl_envoy_router::filter::life::{Action, RequestLife};
-use sgl_envoy_router::filter::AppContext;
-use sgl_envoy_router::host::{Host, MemoryHost};
-use sgl_envoy_router::service::ServiceCore;
-use sgl_envoy_router::wiring::factory::filter_handles;
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -74,11 +69,7 @@ fn glue_calls(actions: &mut Vec<Action>, into: &mut BTreeMap<&'static str, u64>)
 /// What `MEASURED` requests of `scenario` cost: calls by name, and "allocations".
 fn measure(router: &Value, distinct: bool) -> BTreeMap<String, u64> {
     let config = parse_and_validate(&router.to_string()).unwrap_or_else(|e| panic!("{e}"));
-    let host = Arc::new(CountingHost::new(MemoryHost::new(7)));
-    let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
-    counting::publish(&mut service, &host);
-    let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1);
-    let app = AppContext::new(config, handles);
+    let (host, app) = counting::counted_app(config);
     // 4 KiB of conversation, as the overhead bench sends.
     let filler = "routing ".repeat(500);
     let bodies: Vec<Vec<u8>> = (0..(WARM_UP + MEASURED))

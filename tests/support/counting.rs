@@ -5,9 +5,13 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
+use sgl_envoy_router::config::RouterConfig;
+use sgl_envoy_router::filter::AppContext;
 use sgl_envoy_router::host::{Host, HostError, MemoryHost, SharedValue};
 use sgl_envoy_router::service::{PollKind, ServiceCore};
+use sgl_envoy_router::wiring::factory::filter_handles;
 
 /// Counts every allocation, so a stretch's count is the difference across it.
 pub struct Counting;
@@ -109,9 +113,19 @@ impl Host for CountingHost {
     }
 }
 
+/// One filter VM's core over a counting host, beside a service that has published every engine's
+/// load and health.
+pub fn counted_app(config: RouterConfig) -> (Arc<CountingHost>, AppContext) {
+    let host = Arc::new(CountingHost::new(MemoryHost::new(7)));
+    let mut service = ServiceCore::new(config.clone(), Arc::clone(&host) as Arc<dyn Host>);
+    publish(&mut service, &host);
+    let (handles, _) = filter_handles(&config, Arc::clone(&host) as Arc<dyn Host>, 1);
+    (host, AppContext::new(config, handles))
+}
+
 /// The service's loads and health for every engine, published as in Envoy: three rounds of polls
 /// answered, two seconds apart.
-pub fn publish(service: &mut ServiceCore, host: &CountingHost) {
+fn publish(service: &mut ServiceCore, host: &CountingHost) {
     let loads = br#"{"loads":[{"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":0,"num_used_tokens":1000,"max_total_num_tokens":100000,"max_running_requests":64}]}"#;
     for _ in 0..3 {
         let now = host.inner.now_ms();
