@@ -187,6 +187,13 @@ impl RouterConfig {
         self.models.get(model).and_then(|m| m.queue.as_ref()).or(self.queue.as_ref())
     }
 
+    /// Whether anything reads the engine model (pending prefill, learned speed): a group's policy
+    /// that weighs it ([`PolicyConfig::reads_engine_model`]), or a queue.
+    pub fn reads_engine_model(&self) -> bool {
+        self.models.keys().any(|m| self.queue_for(m).is_some())
+            || self.models.values().flat_map(ModelConfig::policies).any(PolicyConfig::reads_engine_model)
+    }
+
     /// The model SGLang's `POST /generate` (which names none) serves: the only one when there is
     /// one, else the one marked `serve_generate` (spec §3).
     pub fn generate_model(&self) -> Option<&str> {

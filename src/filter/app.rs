@@ -13,7 +13,7 @@ use super::indexer::IndexerClient;
 use super::queue::{Capacity, EngineRoom, WaitingRoom};
 use super::{ErrorKind, RouteError};
 use crate::buckets::BucketRequest;
-use crate::config::{PolicyConfig, RouterConfig};
+use crate::config::RouterConfig;
 use crate::policies::pressure::{pending_prefill, prefill_rate, slot_wait_ms};
 use crate::registry::{Availability, EngineRegistry, EngineSet};
 use crate::state::availability::SharedAvailability;
@@ -72,12 +72,8 @@ impl AppContext {
         let upstream = UpstreamHeader::new(&config.upstream, config.retry_attempts());
         let indexer = IndexerClient::from_config(&config).map(Arc::new);
         let generate_model = config.generate_model().map(str::to_string);
-        let engine_model = config
-            .models
-            .values()
-            .any(|m| m.queue.is_some() || config.queue.is_some() || m.policies().any(PolicyConfig::reads_engine_model));
         Self {
-            engine_model,
+            engine_model: config.reads_engine_model(),
             waiting: Arc::new(WaitingRoom::new(Arc::clone(&handles.host), handles.vm)),
             generate_model,
             indexer,
