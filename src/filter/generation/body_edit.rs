@@ -104,9 +104,8 @@ pub fn edit_members(body: &[u8], set: &[Member]) -> Result<BodyEdit, EditError> 
         cuts.push((found.open + 1, found.open + 1, &inserted));
     }
     cuts.sort_by_key(|&(start, _, _)| start);
-    let replaced = cuts.iter().map(|&(_, end, _)| end).max().unwrap_or(0);
     let grown: usize = cuts.iter().map(|(_, _, v)| v.len()).sum();
-    let mut head = Vec::with_capacity(replaced + grown);
+    let mut head = Vec::with_capacity(cuts.last().map_or(0, |&(_, end, _)| end) + grown);
     let mut at = 0;
     for (start, end, value) in cuts {
         head.extend_from_slice(&body[at..start]);
